@@ -1,0 +1,44 @@
+# nemo-dcr: two commands on a fresh machine (Python 3.11, gcc, pip):
+#   make demo   runs the main job on the embedded default
+#   make test   runs the fast test suite
+# Both set themselves up (.venv with the package editable, the CPU kernels compiled).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-done
+# The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test test-all demo bench lint kernels clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml cuda_ext/cpu/dcr_cpu.cpp
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
+	$(BIN)/nemo-dcr build-kernels
+	touch $(STAMP)
+
+kernels: setup
+	$(BIN)/nemo-dcr build-kernels
+
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/nemo-dcr demo
+
+bench: setup
+	$(BIN)/nemo-dcr bench codec --json benchmarks/results/codec.json
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) cuda_ext/build .pytest_cache .ruff_cache

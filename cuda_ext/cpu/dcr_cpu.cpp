@@ -1,0 +1,606 @@
+// nemo-dcr CPU kernels: the fused delta pass, the codec's stream transforms and the
+// receiver's scatter. Plain C ABI over raw pointers (loaded with ctypes), so the library
+// does not depend on the torch C++ ABI and works with any torch >= 2.4.
+//
+// Conventions: `width` is the element size in bytes (1, 2, 4, 8); elements are raw bit
+// patterns; positions are int32 (pos64 == 0) or int64 (pos64 != 0), sorted, strictly
+// increasing. Every function that reads untrusted input validates it completely before
+// it writes anything to a target tensor.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSlack = 64;  // elements of headroom per output segment
+
+template <class T>
+inline T load(const void* p, int64_t i) {
+  T v;
+  std::memcpy(&v, static_cast<const char*>(p) + i * sizeof(T), sizeof(T));
+  return v;
+}
+
+// ---------------------------------------------------------------- delta pass
+// One pass over [begin, end): x = cur ^ base; for each changed element write its
+// position, XOR value and (if newv) new value; copy the changed words of cur into base.
+// Branch-free per lane inside a 64-bit word, one branch per group of four words (most are
+// unchanged at realistic rates).
+template <class T, class I, bool kNew>
+int64_t delta_range(const T* cur, T* base, int64_t begin, int64_t end, I* pos, T* val, T* newv) {
+  constexpr int L = 8 / sizeof(T);
+  constexpr int B = 8 * sizeof(T);
+  int64_t k = 0;
+  int64_t i = begin;
+  for (; i + 4 * L <= end; i += 4 * L) {
+    uint64_t a[4], b[4], x[4];
+    std::memcpy(a, cur + i, 32);
+    std::memcpy(b, base + i, 32);
+    x[0] = a[0] ^ b[0];
+    x[1] = a[1] ^ b[1];
+    x[2] = a[2] ^ b[2];
+    x[3] = a[3] ^ b[3];
+    if ((x[0] | x[1] | x[2] | x[3]) == 0) continue;
+    std::memcpy(base + i, a, 32);
+    for (int w = 0; w < 4; ++w) {
+      uint64_t xw = x[w];
+      if (xw == 0) continue;
+      for (int l = 0; l < L; ++l) {
+        T xl = static_cast<T>(B == 64 ? xw : (xw >> (l * B)));
+        pos[k] = static_cast<I>(i + w * L + l);
+        val[k] = xl;
+        if (kNew) newv[k] = static_cast<T>(B == 64 ? a[w] : (a[w] >> (l * B)));
+        k += (xl != 0);
+      }
+    }
+  }
+  for (; i < end; ++i) {
+    T xl = cur[i] ^ base[i];
+    if (xl) {
+      base[i] = cur[i];
+      pos[k] = static_cast<I>(i);
+      val[k] = xl;
+      if (kNew) newv[k] = cur[i];
+      ++k;
+    }
+  }
+  return k;
+}
+
+template <class F>
+void parallel_for(int nthreads, F&& f) {
+  if (nthreads <= 1) {
+    f(0);
+    return;
+  }
+  std::vector<std::thread> ts;
+  ts.reserve(nthreads - 1);
+  for (int t = 1; t < nthreads; ++t) ts.emplace_back(f, t);
+  f(0);
+  for (auto& th : ts) th.join();
+}
+
+template <class T, class I>
+int64_t delta_mt(const void* cur_, void* base_, int64_t n, void* pos_, void* val_, void* new_,
+                 int nthreads) {
+  const T* cur = static_cast<const T*>(cur_);
+  T* base = static_cast<T*>(base_);
+  I* pos = static_cast<I*>(pos_);
+  T* val = static_cast<T*>(val_);
+  T* newv = static_cast<T*>(new_);
+  if (nthreads < 1) nthreads = 1;
+  if (n < (int64_t(1) << 20)) nthreads = 1;
+  std::vector<int64_t> begin(nthreads + 1), count(nthreads);
+  // Split on 64-element boundaries so threads never share a cache line of base.
+  for (int t = 0; t <= nthreads; ++t) {
+    int64_t b = (n * t / nthreads) & ~int64_t(63);
+    begin[t] = (t == nthreads) ? n : b;
+  }
+  parallel_for(nthreads, [&](int t) {
+    int64_t off = begin[t] + t * kSlack;
+    count[t] = newv ? delta_range<T, I, true>(cur, base, begin[t], begin[t + 1], pos + off, val + off, newv + off)
+                    : delta_range<T, I, false>(cur, base, begin[t], begin[t + 1], pos + off, val + off, nullptr);
+  });
+  int64_t total = count[0];
+  for (int t = 1; t < nthreads; ++t) {
+    int64_t off = begin[t] + t * kSlack;
+    std::memmove(pos + total, pos + off, count[t] * sizeof(I));
+    std::memmove(val + total, val + off, count[t] * sizeof(T));
+    if (newv) std::memmove(newv + total, newv + off, count[t] * sizeof(T));
+    total += count[t];
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------- ulp transform
+// A monotone map from IEEE bit patterns to unsigned integers: ordering by value, exact
+// for every pattern (NaN, Inf, -0.0, subnormals), so new = unkey(key(old) + d) is exact.
+template <class T>
+inline T fkey(T b) {
+  constexpr T sign = T(1) << (8 * sizeof(T) - 1);
+  return (b & sign) ? T(~b) : T(b | sign);
+}
+template <class T>
+inline T funkey(T k) {
+  constexpr T sign = T(1) << (8 * sizeof(T) - 1);
+  return (k & sign) ? T(k & ~sign) : T(~k);
+}
+template <class T>
+inline T zigzag(T d) {  // d is a two's complement difference
+  using S = typename std::make_signed<T>::type;
+  S s = static_cast<S>(d);
+  return static_cast<T>((static_cast<T>(s) << 1) ^ static_cast<T>(s >> (8 * sizeof(T) - 1)));
+}
+template <class T>
+inline T unzigzag(T z) {
+  return static_cast<T>((z >> 1) ^ static_cast<T>(-static_cast<T>(z & 1)));
+}
+
+template <class I>
+inline int64_t posat(const void* p, int64_t i) {
+  return static_cast<int64_t>(static_cast<const I*>(p)[i]);
+}
+
+// op: 0 = XOR value into target, 1 = overwrite target with value, 2 = value is a zig-zag
+// ulp difference against the target's current bits.
+template <class T, class I>
+void apply_values(T* target, const I* pos, const T* vals, int64_t count, int op) {
+  if (op == 0) {
+    for (int64_t i = 0; i < count; ++i) target[pos[i]] ^= vals[i];
+  } else if (op == 1) {
+    for (int64_t i = 0; i < count; ++i) target[pos[i]] = vals[i];
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      T& t = target[pos[i]];
+      t = funkey<T>(static_cast<T>(fkey<T>(t) + unzigzag<T>(vals[i])));
+    }
+  }
+}
+
+template <class I>
+int check_positions(const I* pos, int64_t count, int64_t n) {
+  int64_t prev = -1;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t p = static_cast<int64_t>(pos[i]);
+    if (p <= prev) return -4;  // not strictly increasing
+    prev = p;
+  }
+  if (count > 0 && prev >= n) return -2;
+  return 0;
+}
+
+
+// ---------------------------------------------------------------- value transforms
+template <class T>
+inline T ulp_of(T x, T nb) {  // zig-zag ulp difference of a change with XOR x to new bits nb
+  return zigzag<T>(static_cast<T>(fkey<T>(nb) - fkey<T>(static_cast<T>(nb ^ x))));
+}
+
+// ---------------------------------------------------------------- rANS (order 0)
+// Static rANS with 64-bit states and 32-bit renormalisation (after F. Giesen's public-domain
+// ryg_rans "rans64"), 12-bit probabilities (the decode table stays in L1), four interleaved
+// states (independent chains the CPU overlaps). A state renormalises at most once per
+// symbol and rarely (about every 19 symbols here), so its branch is cheap. Stream layout:
+//   32-byte presence bitmap, u16 LE frequency per present symbol (ascending symbol order),
+//   u64 LE states 0..3, then u32 LE renormalisation words. Symbol i is coded by state i % 4.
+constexpr int kProbBits = 12;
+constexpr uint32_t kProbScale = 1u << kProbBits;
+constexpr uint64_t kRansL = uint64_t(1) << 31;
+constexpr int kStates = 4;
+
+struct EncSym {
+  uint64_t x_max, rcp_freq;
+  uint32_t bias, cmpl_freq, rcp_shift;
+};
+
+void normalize_freqs(const uint64_t* hist, uint32_t* freq) {
+  uint64_t total = 0;
+  for (int s = 0; s < 256; ++s) total += hist[s];
+  uint32_t sum = 0;
+  int best = -1;
+  for (int s = 0; s < 256; ++s) {
+    freq[s] = 0;
+    if (!hist[s]) continue;
+    uint64_t f = (hist[s] * kProbScale + total / 2) / total;
+    freq[s] = static_cast<uint32_t>(f ? f : 1);
+    sum += freq[s];
+    if (best < 0 || hist[s] > hist[best]) best = s;
+  }
+  // Give or take the rounding error from the largest symbols, never below 1.
+  while (sum != kProbScale) {
+    if (sum < kProbScale) {
+      freq[best] += kProbScale - sum;
+      sum = kProbScale;
+    } else {
+      uint32_t excess = sum - kProbScale;
+      int s_max = -1;
+      for (int s = 0; s < 256; ++s)
+        if (freq[s] > 1 && (s_max < 0 || freq[s] > freq[s_max])) s_max = s;
+      uint32_t take = std::min(excess, freq[s_max] - 1);
+      freq[s_max] -= take;
+      sum -= take;
+    }
+  }
+}
+
+void enc_init(EncSym& e, uint32_t start, uint32_t freq) {
+  e.x_max = ((kRansL >> kProbBits) << 32) * freq;
+  e.cmpl_freq = kProbScale - freq;
+  if (freq < 2) {  // q = x - 1 with rcp = ~0, so bias absorbs the difference
+    e.rcp_freq = ~uint64_t(0);
+    e.rcp_shift = 0;
+    e.bias = start + kProbScale - 1;
+  } else {  // Alverson's reciprocal: q = mulhi(x, rcp) >> shift == x / freq
+    uint32_t shift = 0;
+    while (freq > (1u << shift)) shift++;
+    e.rcp_freq = static_cast<uint64_t>(((static_cast<unsigned __int128>(1) << (shift + 63)) + freq - 1) / freq);
+    e.rcp_shift = shift - 1;
+    e.bias = start;
+  }
+}
+
+inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
+  if (x >= e.x_max) {
+    *--ptr = static_cast<uint32_t>(x);
+    x >>= 32;
+  }
+  uint64_t q = static_cast<uint64_t>((static_cast<unsigned __int128>(x) * e.rcp_freq) >> 64) >> e.rcp_shift;
+  x = x + e.bias + q * e.cmpl_freq;
+}
+
+#define DISPATCH_WIDTH(width, ...)        \
+  switch (width) {                        \
+    case 1: { using T = uint8_t; __VA_ARGS__; break; }  \
+    case 2: { using T = uint16_t; __VA_ARGS__; break; } \
+    case 4: { using T = uint32_t; __VA_ARGS__; break; } \
+    case 8: { using T = uint64_t; __VA_ARGS__; break; } \
+    default: return -9;                   \
+  }
+
+}  // namespace
+
+extern "C" {
+
+int dcr_abi_version() { return 1; }
+
+// Fused delta pass. pos/val (and newv, optional: the new values, for the encoder) are
+// scratch buffers with room for n + 64 * (nthreads + 1) elements. Returns the number of
+// changed elements; pos/val/newv[0:count] hold them in order.
+int64_t dcr_delta(const void* cur, void* base, int64_t n, int width, void* pos, int pos64,
+                  void* val, void* newv, int nthreads) {
+  if (pos64) {
+    DISPATCH_WIDTH(width, return delta_mt<T, int64_t>(cur, base, n, pos, val, newv, nthreads));
+  } else {
+    DISPATCH_WIDTH(width, return delta_mt<T, int32_t>(cur, base, n, pos, val, newv, nthreads));
+  }
+  return -9;
+}
+
+// Scatter sorted (pos, val) into target of n elements with op (see apply_values).
+// Validates every position first: returns < 0 and writes nothing on bad input.
+int64_t dcr_scatter(void* target, int64_t n, int width, const void* pos, int pos64,
+                    const void* vals, int64_t count, int op) {
+  int rc = pos64 ? check_positions(static_cast<const int64_t*>(pos), count, n)
+                 : check_positions(static_cast<const int32_t*>(pos), count, n);
+  if (rc) return rc;
+  if (op == 2 && width == 1) return -9;
+  if (pos64) {
+    DISPATCH_WIDTH(width, apply_values<T, int64_t>(static_cast<T*>(target),
+                                                    static_cast<const int64_t*>(pos),
+                                                    static_cast<const T*>(vals), count, op));
+  } else {
+    DISPATCH_WIDTH(width, apply_values<T, int32_t>(static_cast<T*>(target),
+                                                    static_cast<const int32_t*>(pos),
+                                                    static_cast<const T*>(vals), count, op));
+  }
+  return 0;
+}
+
+// Zig-zag ulp differences of XOR values, given the new values at the same positions.
+int64_t dcr_ulp_encode(const void* vals, const void* newv, int64_t count, int width, void* out) {
+  if (width == 1) return -9;
+  DISPATCH_WIDTH(width, {
+    const T* v = static_cast<const T*>(vals);
+    const T* nv = static_cast<const T*>(newv);
+    T* o = static_cast<T*>(out);
+    for (int64_t i = 0; i < count; ++i) o[i] = ulp_of<T>(v[i], nv[i]);
+  });
+  return 0;
+}
+
+// Values -> byte planes (plane b holds byte b of every value) and back.
+int64_t dcr_split_planes(const void* vals, int64_t count, int width, uint8_t* planes) {
+  DISPATCH_WIDTH(width, {
+    const T* v = static_cast<const T*>(vals);
+    for (int64_t i = 0; i < count; ++i)
+      for (int b = 0; b < width; ++b) planes[b * count + i] = static_cast<uint8_t>(v[i] >> (8 * b));
+  });
+  return 0;
+}
+
+int64_t dcr_join_planes(const uint8_t* planes, int64_t count, int width, void* vals) {
+  DISPATCH_WIDTH(width, {
+    T* v = static_cast<T*>(vals);
+    for (int64_t i = 0; i < count; ++i) {
+      T x = 0;
+      for (int b = 0; b < width; ++b) x |= static_cast<T>(static_cast<T>(planes[b * count + i]) << (8 * b));
+      v[i] = x;
+    }
+  });
+  return 0;
+}
+
+// Values (as zig-zag ulp differences if ulp; newv holds the new values) -> one byte token
+// each (min(v, 255)) plus the full value of every v >= 255 in esc. hist (optional, 512
+// counters) gets the token histograms of the raw coding [0:256] and, with newv, of the ulp
+// coding [256:512], for the encoder's choice (bin 255 counts escapes). Returns #escapes.
+int64_t dcr_tokens(const void* vals, const void* newv, int64_t count, int width, int ulp,
+                   uint8_t* tok, void* esc, uint64_t* hist) {
+  if ((ulp || newv) && width == 1) return -9;
+  if (ulp && !newv) return -9;
+  if (hist) std::memset(hist, 0, sizeof(uint64_t) * 512);
+  int64_t e = 0;
+  DISPATCH_WIDTH(width, {
+    const T* v = static_cast<const T*>(vals);
+    const T* nv = static_cast<const T*>(newv);
+    T* out = static_cast<T*>(esc);
+    for (int64_t i = 0; i < count; ++i) {
+      T raw = v[i];
+      T z = nv ? ulp_of<T>(raw, nv[i]) : T(0);
+      T x = ulp ? z : raw;
+      bool big = x >= T(255);
+      tok[i] = big ? uint8_t(255) : static_cast<uint8_t>(x);
+      out[e] = x;
+      e += big;
+      if (hist) {
+        hist[raw >= T(255) ? 255 : raw]++;
+        if (nv) hist[256 + (z >= T(255) ? 255 : z)]++;
+      }
+    }
+  });
+  return e;
+}
+
+// Inverse of dcr_tokens (after any ulp step); -1 if the escape count does not match the tokens.
+int64_t dcr_join_tokens(const uint8_t* tok, int64_t count, const void* esc, int64_t n_esc,
+                        int width, void* vals) {
+  int64_t need = 0;
+  for (int64_t i = 0; i < count; ++i) need += tok[i] == 255;
+  if (need != n_esc) return -1;
+  int64_t e = 0;
+  DISPATCH_WIDTH(width, {
+    T* v = static_cast<T*>(vals);
+    const T* ev = static_cast<const T*>(esc);
+    for (int64_t i = 0; i < count; ++i) v[i] = tok[i] == 255 ? ev[e++] : static_cast<T>(tok[i]);
+  });
+  return 0;
+}
+
+// Upper bound of dcr_ans_encode's output for n symbols (a symbol costs at most 12 bits).
+int64_t dcr_ans_bound(int64_t n) { return 32 + 512 + 8 * kStates + n + n / 2 + 64; }
+
+// Order-0 rANS of n bytes. Returns the stream length, or -1 if cap is too small.
+int64_t dcr_ans_encode(const uint8_t* sym, int64_t n, uint8_t* out, int64_t cap) {
+  if (cap < dcr_ans_bound(n)) return -1;
+  uint64_t hist[256] = {0};
+  for (int64_t i = 0; i < n; ++i) hist[sym[i]]++;
+  uint32_t freq[256];
+  int64_t k = 32;
+  std::memset(out, 0, 32);
+  if (n == 0) {
+    std::memset(out + k, 0, 8 * kStates);
+    return k + 8 * kStates;
+  }
+  normalize_freqs(hist, freq);
+  EncSym es[256];
+  uint32_t cum = 0;
+  for (int s = 0; s < 256; ++s) {
+    if (freq[s]) {
+      out[s >> 3] |= uint8_t(1u << (s & 7));
+      out[k++] = static_cast<uint8_t>(freq[s] & 0xff);
+      out[k++] = static_cast<uint8_t>(freq[s] >> 8);
+      enc_init(es[s], cum, freq[s]);
+    }
+    cum += freq[s];
+  }
+  // rANS is LIFO: encode backwards into a word buffer, then copy behind the table.
+  std::vector<uint32_t> words(static_cast<size_t>(n / 2 + 16));
+  uint32_t* end = words.data() + words.size();
+  uint32_t* ptr = end;
+  uint64_t x[kStates];
+  for (auto& v : x) v = kRansL;
+  for (int64_t i = n - 1; i >= 0 && (i % kStates) != kStates - 1; --i) enc_put(x[i % kStates], ptr, es[sym[i]]);
+  for (int64_t i = (n / kStates) * kStates - 1; i >= 0; i -= kStates) {
+    enc_put(x[3], ptr, es[sym[i]]);
+    enc_put(x[2], ptr, es[sym[i - 1]]);
+    enc_put(x[1], ptr, es[sym[i - 2]]);
+    enc_put(x[0], ptr, es[sym[i - 3]]);
+  }
+  for (int j = 0; j < kStates; ++j)
+    for (int b = 0; b < 8; ++b) out[k++] = static_cast<uint8_t>(x[j] >> (8 * b));
+  int64_t body = (end - ptr) * 4;
+  if (k + body > cap) return -1;
+  std::memcpy(out + k, ptr, body);  // little-endian host (x86-64, aarch64)
+  return k + body;
+}
+
+// Decode n symbols; validates the table, every read and the final states.
+// Returns 0, or < 0 (-1: truncated, -5: bad frequency table, -6: corrupt stream).
+int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) {
+  if (len < 32) return -1;
+  uint32_t freq[256], cumf[256];
+  int64_t k = 32;
+  uint32_t cum = 0;
+  for (int s = 0; s < 256; ++s) {
+    freq[s] = 0;
+    if (in[s >> 3] & (1u << (s & 7))) {
+      if (k + 2 > len) return -1;
+      freq[s] = uint32_t(in[k]) | (uint32_t(in[k + 1]) << 8);
+      k += 2;
+      if (freq[s] == 0 || freq[s] > kProbScale) return -5;
+    }
+    cumf[s] = cum;
+    cum += freq[s];
+  }
+  if (n == 0) return (cum == 0 && k + 8 * kStates == len) ? 0 : -6;
+  if (cum != kProbScale) return -5;
+  // Packed per-slot entry: symbol (8 bits) | freq - 1 (12 bits) | slot - cum (12 bits).
+  uint32_t tab[kProbScale];
+  for (int s = 0; s < 256; ++s)
+    for (uint32_t j = 0; j < freq[s]; ++j) tab[cumf[s] + j] = uint32_t(s) | ((freq[s] - 1) << 8) | (j << 20);
+  if (k + 8 * kStates > len) return -1;
+  if ((len - k - 8 * kStates) % 4) return -6;
+  uint64_t x[kStates];
+  for (int j = 0; j < kStates; ++j) {
+    uint64_t v = 0;
+    for (int b = 0; b < 8; ++b) v |= uint64_t(in[k + 8 * j + b]) << (8 * b);
+    if (v < kRansL) return -6;
+    x[j] = v;
+  }
+  const uint8_t* p = in + k + 8 * kStates;
+  const uint8_t* end = in + len;
+  constexpr uint64_t mask = kProbScale - 1;
+  auto step = [&](uint64_t& st, int64_t i) -> bool {
+    const uint32_t e = tab[st & mask];
+    out[i] = static_cast<uint8_t>(e);
+    st = (((e >> 8) & mask) + 1) * (st >> kProbBits) + (e >> 20);
+    if (st < kRansL) {
+      if (end - p < 4) return false;
+      uint32_t w;
+      std::memcpy(&w, p, 4);
+      p += 4;
+      st = (st << 32) | w;
+    }
+    return true;
+  };
+  // Fast loop while every state can renormalise without a bounds check.
+  int64_t i = 0;
+  for (; i + kStates <= n && end - p >= 4 * kStates; i += kStates) {
+    for (int j = 0; j < kStates; ++j) {
+      uint64_t& st = x[j];
+      const uint32_t e = tab[st & mask];
+      out[i + j] = static_cast<uint8_t>(e);
+      st = (((e >> 8) & mask) + 1) * (st >> kProbBits) + (e >> 20);
+      if (st < kRansL) {
+        uint32_t w;
+        std::memcpy(&w, p, 4);
+        p += 4;
+        st = (st << 32) | w;
+      }
+    }
+  }
+  for (; i < n; ++i)
+    if (!step(x[i % kStates], i)) return -1;
+  if (p != end) return -6;
+  for (int j = 0; j < kStates; ++j)
+    if (x[j] != kRansL) return -6;
+  return 0;
+}
+
+// Gap coding of sorted positions in [lo, hi): gap g = p - prev - 1 (prev starts at lo - 1).
+// mode 0: bytes, each g as floor(g / 255) bytes of 255 then g % 255.
+// mode 1: 16-bit symbols (65535 repeats), stored as two planes (low bytes, then high bytes).
+// Returns bytes written, or < 0 (-1: cap too small, -2: position out of range/order).
+int64_t dcr_gaps_encode(const void* pos, int pos64, int64_t count, int64_t lo, int64_t hi,
+                        int mode, uint8_t* out, int64_t cap) {
+  int64_t prev = lo - 1;
+  if (mode == 0) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t p = pos64 ? posat<int64_t>(pos, i) : posat<int32_t>(pos, i);
+      if (p <= prev || p >= hi) return -2;
+      int64_t g = p - prev - 1;
+      prev = p;
+      int64_t reps = g / 255;
+      if (k + reps + 1 > cap) return -1;
+      if (reps) {
+        std::memset(out + k, 255, reps);
+        k += reps;
+      }
+      out[k++] = static_cast<uint8_t>(g - reps * 255);
+    }
+    return k;
+  }
+  if (mode == 1) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t p = pos64 ? posat<int64_t>(pos, i) : posat<int32_t>(pos, i);
+      if (p <= prev || p >= hi) return -2;
+      m += (p - prev - 1) / 65535 + 1;
+      prev = p;
+    }
+    if (2 * m > cap) return -1;
+    prev = lo - 1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t p = pos64 ? posat<int64_t>(pos, i) : posat<int32_t>(pos, i);
+      int64_t g = p - prev - 1;
+      prev = p;
+      while (g >= 65535) {
+        out[k] = 255;
+        out[m + k] = 255;
+        ++k;
+        g -= 65535;
+      }
+      out[k] = static_cast<uint8_t>(g & 255);
+      out[m + k] = static_cast<uint8_t>(g >> 8);
+      ++k;
+    }
+    return 2 * m;
+  }
+  return -9;
+}
+
+// Inverse of dcr_gaps_encode, validating everything: exactly `count` positions, every one
+// in [lo, hi), the stream consumed exactly. Returns 0, or < 0 (-1: stream ends early,
+// -2: position out of range, -3: trailing bytes).
+int64_t dcr_gaps_decode(const uint8_t* in, int64_t len, int mode, int64_t count, int64_t lo,
+                        int64_t hi, void* pos_out, int pos64) {
+  int64_t prev = lo - 1;
+  int64_t k = 0;
+  if (mode == 0) {
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t g = 0;
+      while (true) {
+        if (k >= len) return -1;
+        uint8_t b = in[k++];
+        g += b;
+        if (b != 255) break;
+        if (g > hi) return -2;  // bounds the loop on hostile runs of 255
+      }
+      int64_t p = prev + 1 + g;
+      if (p >= hi) return -2;
+      if (pos64) static_cast<int64_t*>(pos_out)[i] = p;
+      else static_cast<int32_t*>(pos_out)[i] = static_cast<int32_t>(p);
+      prev = p;
+    }
+    return k == len ? 0 : -3;
+  }
+  if (mode == 1) {
+    if (len % 2) return -3;
+    int64_t m = len / 2;
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t g = 0;
+      while (true) {
+        if (k >= m) return -1;
+        uint32_t s = static_cast<uint32_t>(in[k]) | (static_cast<uint32_t>(in[m + k]) << 8);
+        ++k;
+        g += s;
+        if (s != 65535) break;
+        if (g > hi) return -2;
+      }
+      int64_t p = prev + 1 + g;
+      if (p >= hi) return -2;
+      if (pos64) static_cast<int64_t*>(pos_out)[i] = p;
+      else static_cast<int32_t*>(pos_out)[i] = static_cast<int32_t>(p);
+      prev = p;
+    }
+    return k == m ? 0 : -3;
+  }
+  return -9;
+}
+
+}  // extern "C"

@@ -1,0 +1,144 @@
+"""The `nemo-dcr` command.
+
+  nemo-dcr diff OLD NEW -o DELTA      delta between two safetensors checkpoints
+  nemo-dcr patch BASE DELTA -o OUT    rebuild NEW from BASE (all or nothing)
+  nemo-dcr stats DELTA [--json]       size, change rate, information bound
+  nemo-dcr bench codec [...]          codec benchmark (table + JSON)
+  nemo-dcr demo                       diff/patch round trip on a synthetic policy
+  nemo-dcr build-kernels              compile the CPU kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nemo_dcr_callback import __version__
+
+
+def _rates(s: str) -> list[float]:
+    try:
+        rates = [float(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of rates: {s!r}") from None
+    if not rates or any(not 0 < r < 1 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be in (0, 1)")
+    return rates
+
+
+def _positive(s: str) -> int:
+    v = int(float(s))
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-dcr", description="Delta-compressed refit for RL policies.")
+    p.add_argument("--version", action="version", version=f"nemo-dcr {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("diff", help="write the delta between two checkpoints")
+    d.add_argument("old", help="a .safetensors file or a Hugging Face checkpoint directory")
+    d.add_argument("new", help="the same kind of checkpoint, after training")
+    d.add_argument("-o", "--output", required=True, help="delta file to write")
+    d.add_argument("--chunk-span", type=_positive, default=None, help="positions per chunk (default 2^24)")
+    d.add_argument("--level", type=int, default=1, help="zstd level for zstd-coded streams (default 1)")
+    d.add_argument("-q", "--quiet", action="store_true")
+
+    pa = sub.add_parser("patch", help="apply a delta to BASE, writing OUT (BASE is never modified)")
+    pa.add_argument("base")
+    pa.add_argument("delta")
+    pa.add_argument("-o", "--output", required=True)
+    pa.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    pa.add_argument("-q", "--quiet", action="store_true")
+
+    s = sub.add_parser("stats", help="describe a delta file")
+    s.add_argument("delta")
+    s.add_argument("--json", action="store_true", help="print JSON")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bc = bsub.add_parser("codec", help="codec ratio and speed vs simple schemes and the bound")
+    bc.add_argument("--params", type=_positive, default=1 << 26, help="synthetic parameters (default 64M)")
+    bc.add_argument("--change-rates", type=_rates, default=[0.01, 0.03, 0.05])
+    bc.add_argument("--reps", type=_positive, default=5, help="timed repetitions (median)")
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--json", default=None, help="write results to this JSON file")
+
+    de = sub.add_parser("demo", help="diff + patch round trip on a synthetic policy")
+    de.add_argument("--params", type=_positive, default=1 << 24)
+    de.add_argument("--change-rate", type=float, default=0.03)
+    de.add_argument("--steps", type=_positive, default=3)
+    de.add_argument("--workdir", default=None, help="where to write checkpoints (default: a temp dir)")
+
+    sub.add_parser("build-kernels", help="compile the CPU kernels (done by make setup)")
+    return p
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def print_stats(st: dict) -> None:
+    print(f"tensors            {st['tensors']} ({st['full_tensors']} sent whole, {st['removed_tensors']} removed)")
+    print(f"params             {st['params']:,}")
+    print(f"changed            {st['changed']:,} ({st['change_rate']:.3%} of delta-coded params)")
+    print(f"delta size         {_human(st['bytes'])} (payload {_human(st['payload_bytes'])})")
+    print(f"dense size         {_human(st['dense_bytes'])}")
+    print(f"bits per param     {st['bits_per_param']:.4f}")
+    print(f"ratio vs dense     {st['ratio_vs_dense']:.1f}x")
+    print(f"bound (xor)        {_human(st['xor_bound_bytes'])}  efficiency {st['efficiency_vs_xor_bound']:.3f}")
+    print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from nemo_dcr_callback import codec
+    from nemo_dcr_callback.checkpoint import CheckpointError
+    from nemo_dcr_callback.deltafile import DeltaError
+
+    try:
+        if args.cmd == "diff":
+            from nemo_dcr_callback.deltafile import diff
+            span = args.chunk_span or codec.DEFAULT_CHUNK_SPAN
+            diff(args.old, args.new, args.output, span=span, level=args.level, quiet=args.quiet)
+            if not args.quiet:
+                from nemo_dcr_callback.deltafile import stats
+                print_stats(stats(args.output))
+        elif args.cmd == "patch":
+            from nemo_dcr_callback.deltafile import patch
+            patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet)
+            if not args.quiet:
+                print(f"wrote {args.output} (every tensor digest verified)")
+        elif args.cmd == "stats":
+            from nemo_dcr_callback.deltafile import stats
+            st = stats(args.delta)
+            print(json.dumps(st, indent=2)) if args.json else print_stats(st)
+        elif args.cmd == "bench":
+            from nemo_dcr_callback import bench
+            bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
+        elif args.cmd == "demo":
+            from nemo_dcr_callback.demo import run_demo
+            return run_demo(args.params, args.change_rate, args.steps, args.workdir)
+        elif args.cmd == "build-kernels":
+            from nemo_dcr_callback import kernels
+            print(kernels.build(verbose=True))
+    except (DeltaError, codec.ChunkError, CheckpointError, FileExistsError, ValueError) as exc:
+        print(f"nemo-dcr {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"nemo-dcr {args.cmd}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

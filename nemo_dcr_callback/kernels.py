@@ -1,0 +1,132 @@
+"""Kernel dispatch: the compiled CPU library (cuda_ext/cpu) loaded through ctypes.
+
+A plain C ABI over raw pointers keeps the library independent of the torch C++ ABI, so one
+build serves any torch >= 2.4. `make setup` builds it; if it is missing, `native()` tries
+to build it once (g++ on PATH) and otherwise returns None, and every caller falls back to
+the pure-torch reference in delta.py / codec.py (correct, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+SOURCE = _REPO / "cuda_ext" / "cpu" / "dcr_cpu.cpp"
+ABI_VERSION = 1
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+c_i64, c_int, c_void_p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+_SIGNATURES = {
+    "dcr_abi_version": (c_int, []),
+    "dcr_delta": (
+        c_i64,
+        [c_void_p, c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_void_p, c_int],
+    ),
+    "dcr_scatter": (c_i64, [c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_i64, c_int]),
+    "dcr_ulp_encode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_split_planes": (c_i64, [c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_join_planes": (c_i64, [c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_tokens": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_void_p, c_void_p, c_void_p]),
+    "dcr_join_tokens": (c_i64, [c_void_p, c_i64, c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_ans_bound": (c_i64, [c_i64]),
+    "dcr_ans_encode": (c_i64, [c_void_p, c_i64, c_void_p, c_i64]),
+    "dcr_ans_decode": (c_i64, [c_void_p, c_i64, c_void_p, c_i64]),
+    "dcr_gaps_encode": (c_i64, [c_void_p, c_int, c_i64, c_i64, c_i64, c_int, c_void_p, c_i64]),
+    "dcr_gaps_decode": (c_i64, [c_void_p, c_i64, c_int, c_i64, c_i64, c_i64, c_void_p, c_int]),
+}
+
+
+def _source_tag() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the built library lives: next to the sources, tagged by their hash."""
+    override = os.environ.get("NEMO_DCR_BUILD_DIR")
+    build_dir = Path(override) if override else SOURCE.parent.parent / "build"
+    return build_dir / f"libdcr_cpu-{_source_tag()}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the CPU library with g++ (C++17, -O3, pthreads). Returns its path."""
+    out = library_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    flags = os.environ.get("NEMO_DCR_CXXFLAGS", "-O3 -march=native").split()
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, *flags, "-std=c++17", "-fPIC", "-shared", "-pthread", str(SOURCE), "-o", str(tmp)]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    subprocess.run(cmd, check=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (res, args) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    if lib.dcr_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI {lib.dcr_abi_version()} != {ABI_VERSION}")
+    return lib
+
+
+def native() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use if needed; None if unavailable.
+
+    NEMO_DCR_NATIVE=0 forces the pure-torch reference path (used by tests to compare).
+    """
+    global _lib, _tried
+    if os.environ.get("NEMO_DCR_NATIVE", "1") == "0":
+        return None
+    if _lib is not None or _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not SOURCE.exists():
+            return None
+        path = library_path()
+        try:
+            if not path.exists():
+                build()
+            _lib = _load(path)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            print(f"nemo-dcr: compiled CPU kernels unavailable ({exc}); using the torch reference",
+                  file=sys.stderr)
+            _lib = None
+    return _lib
+
+
+def num_threads() -> int:
+    """Threads for the compiled kernels: NEMO_DCR_THREADS, else torch's intra-op count."""
+    env = os.environ.get("NEMO_DCR_THREADS")
+    if env:
+        return max(1, int(env))
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+def ptr(t) -> int:
+    """Raw data pointer of a torch tensor (or 0 for None)."""
+    return 0 if t is None else t.data_ptr()
+
+
+if __name__ == "__main__":  # `python -m nemo_dcr_callback.kernels` builds the library
+    print(build(verbose=True))

@@ -1,0 +1,113 @@
+"""The delta kernel: compiled == reference, baseline moves, undo restores, scatter refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FLOAT_DTYPES, perturb, random_tensor
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nemo_dcr_callback import delta
+from nemo_dcr_callback.delta import bits
+
+SHAPES = [(), (1,), (7,), (31,), (33, 3), (1, 1, 1), (257, 5), (2, 0)]
+RATES = [0.0, "one", 0.01, 0.5, 1.0]
+
+
+def _case(shape, dtype, rate, seed):
+    g = torch.Generator().manual_seed(seed)
+    old = random_tensor(shape, dtype, g)
+    if rate == "one":
+        new = old.clone()
+        if new.numel():
+            bits(new).view(-1)[new.numel() // 2] ^= 1
+    else:
+        new = perturb(old, rate, g, specials=True)
+    return old, new
+
+
+@given(shape=st.sampled_from(SHAPES), dtype=st.sampled_from(FLOAT_DTYPES + [torch.float64, torch.int8]),
+       rate=st.sampled_from(RATES), seed=st.integers(0, 2**31), keep_new=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_compiled_equals_reference(shape, dtype, rate, seed, keep_new):
+    old, new = _case(shape, dtype, rate, seed)
+    b_ref, b_nat = old.clone(), old.clone()
+    ref = delta.take_delta_reference(new, b_ref, keep_new=keep_new)
+    nat = delta.take_delta(new, b_nat, keep_new=keep_new)
+    assert torch.equal(ref.positions, nat.positions) and ref.positions.dtype == nat.positions.dtype
+    assert torch.equal(ref.xor, nat.xor)
+    assert torch.equal(bits(b_ref), bits(new)) and torch.equal(bits(b_nat), bits(new))
+    if keep_new:
+        assert torch.equal(ref.new, nat.new)
+        assert torch.equal(nat.new, bits(new).reshape(-1)[nat.positions.long()])
+    # The positions are exactly where the bits differ (independent check: elementwise compare).
+    differs = (bits(old) != bits(new)).reshape(-1).nonzero().reshape(-1)
+    assert torch.equal(nat.positions.long(), differs)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_multithreaded_large(dtype, threads):
+    g = torch.Generator().manual_seed(threads)
+    old = random_tensor((3 * (1 << 20) + 77,), dtype, g)
+    new = perturb(old, 0.03, g, specials=True)
+    b1, b2 = old.clone(), old.clone()
+    ref = delta.take_delta_reference(new, b1)
+    nat = delta.take_delta(new, b2, threads=threads)
+    assert torch.equal(ref.positions, nat.positions) and torch.equal(ref.xor, nat.xor)
+    assert torch.equal(bits(b2), bits(new))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
+def test_undo_restores_previous_baseline(dtype, rate):
+    g = torch.Generator().manual_seed(7)
+    old = random_tensor((4099,), dtype, g)
+    new = perturb(old, rate, g, specials=True)
+    base = old.clone()
+    d = delta.take_delta(new, base)
+    assert torch.equal(bits(base), bits(new))
+    delta.undo(base, d)
+    assert torch.equal(bits(base), bits(old))
+
+
+def test_reference_path_undo(reference_only):
+    g = torch.Generator().manual_seed(3)
+    old = random_tensor((1000,), torch.bfloat16, g)
+    new = perturb(old, 0.1, g)
+    base = old.clone()
+    d = delta.take_delta(new, base)
+    delta.undo(base, d)
+    assert torch.equal(bits(base), bits(old))
+
+
+@pytest.mark.parametrize("bad", [[5, 3], [1, 1], [-1, 2], [0, 10]])
+def test_scatter_refuses_bad_positions_and_writes_nothing(bad):
+    t = torch.zeros(10, dtype=torch.bfloat16)
+    before = bits(t).clone()
+    with pytest.raises(ValueError):
+        delta.scatter(t, torch.tensor(bad, dtype=torch.int32), torch.ones(2, dtype=torch.int16), delta.OP_XOR)
+    assert torch.equal(bits(t), before)
+
+
+def test_mismatched_pair_refused():
+    with pytest.raises(ValueError, match="differ"):
+        delta.take_delta(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="differ"):
+        delta.take_delta(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float16))
+
+
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOAT_DTYPES))
+@settings(max_examples=50, deadline=None)
+def test_ulp_reference_round_trip(seed, dtype):
+    """ulp_add(old, ulp_diff(old, new)) == new for arbitrary bit patterns (NaN, Inf, -0, subnormals)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.empty(0, dtype=dtype).element_size()
+    bd = delta.BITS_DTYPE[w]
+    lo, hi = -(1 << (8 * w - 1)), (1 << (8 * w - 1))
+    old = torch.randint(lo, hi, (512,), generator=g, dtype=torch.int64).to(bd)
+    new = torch.randint(lo, hi, (512,), generator=g, dtype=torch.int64).to(bd)
+    new[:256] = old[:256] + torch.randint(-3, 4, (256,), generator=g).to(bd)  # near neighbours
+    z = delta.ulp_diff_reference(old, new)
+    assert torch.equal(delta.ulp_add_reference(old, z), new)
