@@ -106,6 +106,9 @@ def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dic
         for k in names:
             targets[k].copy_(old[k])
 
+    # Side by side: a dense single-core copy of the same bytes (this machine's memcpy).
+    dst = {k: torch.empty_like(old[k]) for k in names}
+    t_copy = _median_time(lambda: [dst[k].copy_(new[k]) for k in names], reps)
     t_apply = _median_time(lambda: [codec.apply_decoded(dc, targets[k]) for k in names for dc in decoded[k]],
                            reps, reset_targets)
     for k in names:  # the oracle: the new BF16 weights themselves
@@ -121,12 +124,14 @@ def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dic
         "efficiency_vs_xor_bound": (bound_x / 8) / sizes["codec"],
         "efficiency_vs_ulp_bound": (bound_u / 8) / sizes["codec"],
         "efficiency_xor_only_vs_xor_bound": (bound_x / 8) / sizes["codec_xor_only"],
-        "seconds": {"kernel": t_kernel, "encode": t_encode, "decode": t_decode, "apply": t_apply},
+        "seconds": {"kernel": t_kernel, "encode": t_encode, "decode": t_decode, "apply": t_apply,
+                    "memcpy": t_copy},
         "gbps_per_core": {
             "kernel_input": 2 * dense / t_kernel / 1e9,  # current + baseline bytes read
             "encode": dense / t_encode / 1e9,  # BF16 bytes covered per second
             "decode": dense / t_decode / 1e9,
             "apply": dense / t_apply / 1e9,
+            "memcpy": dense / t_copy / 1e9,  # dense copy of the BF16 bytes, same run
         },
         "bit_exact": True,
     }
@@ -140,7 +145,7 @@ def format_table(results: list[dict]) -> str:
     rows = []
     head = (f"{'rate':>6} {'codec':>8} {'xor-only':>8} {'simple':>8} {'zstd(xor)':>9} {'bitmap':>8} "
             f"{'bound x':>8} {'bound u':>8} {'eff x':>6} {'eff u':>6} {'kernel':>7} {'encode':>7} "
-            f"{'decode':>7} {'apply':>7}")
+            f"{'decode':>7} {'apply':>7} {'memcpy':>7}")
     rows.append("ratio vs dense BF16 (x); efficiency = bound / size; GB/s per core (kernel: input bytes)")
     rows.append(head)
     for r in results:
@@ -149,7 +154,7 @@ def format_table(results: list[dict]) -> str:
             f"{r['change_rate']:6.2%} {ra['codec']:8.1f} {ra['codec_xor_only']:8.1f} {ra['simple']:8.1f} "
             f"{ra['dense_zstd']:9.1f} {ra['bitmap']:8.1f} {r['ratio_bound_xor']:8.1f} {r['ratio_bound_ulp']:8.1f} "
             f"{r['efficiency_vs_xor_bound']:6.3f} {r['efficiency_vs_ulp_bound']:6.3f} {g['kernel_input']:7.2f} "
-            f"{g['encode']:7.2f} {g['decode']:7.2f} {g['apply']:7.2f}")
+            f"{g['encode']:7.2f} {g['decode']:7.2f} {g['apply']:7.2f} {g['memcpy']:7.2f}")
     return "\n".join(rows)
 
 
@@ -157,6 +162,8 @@ def run(params: int = 1 << 26, rates=(0.01, 0.03, 0.05), reps: int = 5, seed: in
         json_path: str | None = None, quiet: bool = False) -> dict:
     torch.set_num_threads(1)
     os.environ["NEMO_DCR_THREADS"] = "1"
+    if hasattr(os, "sched_setaffinity"):  # one core, no migrations: steadier per-core figures
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     policy = synthetic.make_policy(params, seed=seed)
     results = []
     for rate in rates:

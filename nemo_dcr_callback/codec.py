@@ -38,14 +38,13 @@ from nemo_dcr_callback.delta import (
 from nemo_dcr_callback.streams import (
     GapMode,
     StreamError,
-    ans_decode,
     ans_encode,
     decode_gaps,
     encode_gaps,
     gap_bound,
     join_planes,
-    join_tokens,
     split_planes,
+    token_values,
     tokens,
     ulp_encode,
 )
@@ -369,9 +368,7 @@ def _streams(mv: memoryview, h: ChunkHeader) -> list[np.ndarray]:
             if len(dec) != raw:
                 raise ChunkError("zstd stream has the wrong length")
             out.append(np.frombuffer(dec, dtype=np.uint8))
-        elif codec == RANS:
-            out.append(ans_decode(data, raw))
-        else:
+        else:  # stored, or rANS (decoded by the layout's own decoder)
             out.append(np.frombuffer(data, dtype=np.uint8))
     return out
 
@@ -409,7 +406,7 @@ def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None) -> 
         if h.layout == Layout.PLANES:
             vals = join_planes(np.concatenate(st) if st else np.empty(0, np.uint8), h.count, bdt)
         else:
-            vals = join_tokens(st[0], st[1], bdt)
+            vals = token_values(st[0], h.count, st[1], bdt)
     except StreamError as exc:
         raise ChunkError(f"chunk for {h.name!r}: {exc}") from None
     return DecodedChunk(h, pos, vals)

@@ -190,6 +190,23 @@ def join_tokens(tok: np.ndarray, esc: np.ndarray, bits_dtype: torch.dtype) -> to
     return torch.from_numpy(out).view(bits_dtype)
 
 
+def token_values(coded: np.ndarray, count: int, esc: np.ndarray, bits_dtype: torch.dtype) -> torch.Tensor:
+    """A rANS-coded token stream and its escapes -> values (fused in the compiled path)."""
+    lib = kernels.native()
+    if lib is None:
+        return join_tokens(ans_decode(coded, count), esc, bits_dtype)
+    w = torch.empty(0, dtype=bits_dtype).element_size()
+    if esc.size % w:
+        raise StreamError("escape stream is not a whole number of values")
+    out = torch.empty(count, dtype=bits_dtype)
+    rc = lib.dcr_ans_decode_values(coded.ctypes.data, coded.size, count, esc.ctypes.data, esc.size // w, w,
+                                   out.data_ptr())
+    if rc < 0:
+        msg = "escape count does not match the token stream" if rc == -7 else _ANS_ERRORS.get(rc, f"rANS error {rc}")
+        raise StreamError(msg)
+    return out
+
+
 # ----------------------------------------------------------------------------- rANS
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS

@@ -119,14 +119,16 @@ int64_t delta_mt(const void* cur_, void* base_, int64_t n, void* pos_, void* val
 // A monotone map from IEEE bit patterns to unsigned integers: ordering by value, exact
 // for every pattern (NaN, Inf, -0.0, subnormals), so new = unkey(key(old) + d) is exact.
 template <class T>
-inline T fkey(T b) {
+inline T fkey(T b) {  // b | sign if b >= 0 else ~b, branch-free (the sign is a coin flip)
+  using S = typename std::make_signed<T>::type;
   constexpr T sign = T(1) << (8 * sizeof(T) - 1);
-  return (b & sign) ? T(~b) : T(b | sign);
+  return static_cast<T>(b ^ (static_cast<T>(static_cast<S>(b) >> (8 * sizeof(T) - 1)) | sign));
 }
 template <class T>
-inline T funkey(T k) {
+inline T funkey(T k) {  // inverse of fkey: k ^ sign if k has the sign bit, else ~k
+  using S = typename std::make_signed<T>::type;
   constexpr T sign = T(1) << (8 * sizeof(T) - 1);
-  return (k & sign) ? T(k & ~sign) : T(~k);
+  return static_cast<T>(k ^ (static_cast<T>(~(static_cast<S>(k) >> (8 * sizeof(T) - 1))) | sign));
 }
 template <class T>
 inline T zigzag(T d) {  // d is a two's complement difference
@@ -148,12 +150,25 @@ inline int64_t posat(const void* p, int64_t i) {
 // ulp difference against the target's current bits.
 template <class T, class I>
 void apply_values(T* target, const I* pos, const T* vals, int64_t count, int op) {
+  // Irregular gaps defeat the hardware prefetcher at low change rates: prefetch the
+  // target line kAhead changes ahead (positions are validated, so the address is in range).
+  constexpr int64_t kAhead = 32;
+  auto pf = [&](int64_t i) {
+    if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
+  };
   if (op == 0) {
-    for (int64_t i = 0; i < count; ++i) target[pos[i]] ^= vals[i];
+    for (int64_t i = 0; i < count; ++i) {
+      pf(i);
+      target[pos[i]] ^= vals[i];
+    }
   } else if (op == 1) {
-    for (int64_t i = 0; i < count; ++i) target[pos[i]] = vals[i];
+    for (int64_t i = 0; i < count; ++i) {
+      pf(i);
+      target[pos[i]] = vals[i];
+    }
   } else {
     for (int64_t i = 0; i < count; ++i) {
+      pf(i);
       T& t = target[pos[i]];
       t = funkey<T>(static_cast<T>(fkey<T>(t) + unzigzag<T>(vals[i])));
     }
@@ -249,6 +264,79 @@ inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
   }
   uint64_t q = static_cast<uint64_t>((static_cast<unsigned __int128>(x) * e.rcp_freq) >> 64) >> e.rcp_shift;
   x = x + e.bias + q * e.cmpl_freq;
+}
+
+// ---------------------------------------------------------------- gap decoding
+// GAP8: a fast path takes 8 gap bytes at a time when none of them is an escape (255) and
+// 8 more positions are due; one range check per block suffices since positions increase.
+template <class I>
+int64_t gaps8_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, int64_t hi, I* out) {
+  int64_t prev = lo - 1;
+  int64_t k = 0, i = 0;
+  while (i + 8 <= count && k + 8 <= len) {
+    uint64_t w;
+    std::memcpy(&w, in + k, 8);
+    uint64_t inv = ~w;  // a 255 byte becomes a zero byte
+    if (((inv - 0x0101010101010101ull) & ~inv & 0x8080808080808080ull) != 0) {
+      // An escape in this block: decode one gap the slow way.
+      int64_t g = 0;
+      while (true) {
+        if (k >= len) return -1;
+        uint8_t b = in[k++];
+        g += b;
+        if (b != 255) break;
+        if (g > hi) return -2;  // bounds the loop on hostile runs of 255
+      }
+      prev = prev + 1 + g;
+      if (prev >= hi) return -2;
+      out[i++] = static_cast<I>(prev);
+      continue;
+    }
+    for (int j = 0; j < 8; ++j) {
+      prev += 1 + static_cast<int64_t>((w >> (8 * j)) & 0xff);
+      out[i + j] = static_cast<I>(prev);
+    }
+    if (prev >= hi) return -2;
+    i += 8;
+    k += 8;
+  }
+  for (; i < count; ++i) {
+    int64_t g = 0;
+    while (true) {
+      if (k >= len) return -1;
+      uint8_t b = in[k++];
+      g += b;
+      if (b != 255) break;
+      if (g > hi) return -2;
+    }
+    prev = prev + 1 + g;
+    if (prev >= hi) return -2;
+    out[i] = static_cast<I>(prev);
+  }
+  return k == len ? 0 : -3;
+}
+
+template <class I>
+int64_t gaps16_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, int64_t hi, I* out) {
+  if (len % 2) return -3;
+  int64_t m = len / 2;
+  int64_t prev = lo - 1;
+  int64_t k = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t g = 0;
+    while (true) {
+      if (k >= m) return -1;
+      uint32_t s = static_cast<uint32_t>(in[k]) | (static_cast<uint32_t>(in[m + k]) << 8);
+      ++k;
+      g += s;
+      if (s != 65535) break;
+      if (g > hi) return -2;
+    }
+    prev = prev + 1 + g;
+    if (prev >= hi) return -2;
+    out[i] = static_cast<I>(prev);
+  }
+  return k == m ? 0 : -3;
 }
 
 #define DISPATCH_WIDTH(width, ...)        \
@@ -427,9 +515,13 @@ int64_t dcr_ans_encode(const uint8_t* sym, int64_t n, uint8_t* out, int64_t cap)
   return k + body;
 }
 
-// Decode n symbols; validates the table, every read and the final states.
-// Returns 0, or < 0 (-1: truncated, -5: bad frequency table, -6: corrupt stream).
-int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) {
+}  // extern "C"
+
+namespace {
+// Decode n symbols into sink(i, symbol); validates the table, every read and the final
+// states. Returns 0, or < 0 (-1: truncated, -5: bad frequency table, -6: corrupt stream).
+template <class Sink>
+int64_t ans_decode(const uint8_t* in, int64_t len, int64_t n, Sink&& sink) {
   if (len < 32) return -1;
   uint32_t freq[256], cumf[256];
   int64_t k = 32;
@@ -465,7 +557,7 @@ int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) 
   constexpr uint64_t mask = kProbScale - 1;
   auto step = [&](uint64_t& st, int64_t i) -> bool {
     const uint32_t e = tab[st & mask];
-    out[i] = static_cast<uint8_t>(e);
+    sink(i, static_cast<uint8_t>(e));
     st = (((e >> 8) & mask) + 1) * (st >> kProbBits) + (e >> 20);
     if (st < kRansL) {
       if (end - p < 4) return false;
@@ -482,7 +574,7 @@ int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) 
     for (int j = 0; j < kStates; ++j) {
       uint64_t& st = x[j];
       const uint32_t e = tab[st & mask];
-      out[i + j] = static_cast<uint8_t>(e);
+      sink(i + j, static_cast<uint8_t>(e));
       st = (((e >> 8) & mask) + 1) * (st >> kProbBits) + (e >> 20);
       if (st < kRansL) {
         uint32_t w;
@@ -498,6 +590,36 @@ int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) 
   for (int j = 0; j < kStates; ++j)
     if (x[j] != kRansL) return -6;
   return 0;
+}
+}  // namespace
+
+extern "C" {
+
+// Decode n symbols (bytes) into out.
+int64_t dcr_ans_decode(const uint8_t* in, int64_t len, uint8_t* out, int64_t n) {
+  return ans_decode(in, len, n, [out](int64_t i, uint8_t s) { out[i] = s; });
+}
+
+// Decode a TOKENS value stream straight into values: token t < 255 is the value t, token
+// 255 takes the next escaped value. -7 if the escapes do not match the tokens.
+int64_t dcr_ans_decode_values(const uint8_t* in, int64_t len, int64_t n, const void* esc,
+                              int64_t n_esc, int width, void* vals) {
+  int64_t e = 0;
+  int64_t rc = -9;
+  DISPATCH_WIDTH(width, {
+    T* v = static_cast<T*>(vals);
+    const T* ev = static_cast<const T*>(esc);
+    rc = ans_decode(in, len, n, [&](int64_t i, uint8_t s) {
+      if (s != 255) {
+        v[i] = static_cast<T>(s);
+      } else {
+        v[i] = e < n_esc ? ev[e] : T(0);
+        ++e;
+      }
+    });
+  });
+  if (rc < 0) return rc;
+  return e == n_esc ? 0 : -7;
 }
 
 // Gap coding of sorted positions in [lo, hi): gap g = p - prev - 1 (prev starts at lo - 1).
@@ -559,46 +681,13 @@ int64_t dcr_gaps_encode(const void* pos, int pos64, int64_t count, int64_t lo, i
 // -2: position out of range, -3: trailing bytes).
 int64_t dcr_gaps_decode(const uint8_t* in, int64_t len, int mode, int64_t count, int64_t lo,
                         int64_t hi, void* pos_out, int pos64) {
-  int64_t prev = lo - 1;
-  int64_t k = 0;
   if (mode == 0) {
-    for (int64_t i = 0; i < count; ++i) {
-      int64_t g = 0;
-      while (true) {
-        if (k >= len) return -1;
-        uint8_t b = in[k++];
-        g += b;
-        if (b != 255) break;
-        if (g > hi) return -2;  // bounds the loop on hostile runs of 255
-      }
-      int64_t p = prev + 1 + g;
-      if (p >= hi) return -2;
-      if (pos64) static_cast<int64_t*>(pos_out)[i] = p;
-      else static_cast<int32_t*>(pos_out)[i] = static_cast<int32_t>(p);
-      prev = p;
-    }
-    return k == len ? 0 : -3;
+    return pos64 ? gaps8_decode(in, len, count, lo, hi, static_cast<int64_t*>(pos_out))
+                 : gaps8_decode(in, len, count, lo, hi, static_cast<int32_t*>(pos_out));
   }
   if (mode == 1) {
-    if (len % 2) return -3;
-    int64_t m = len / 2;
-    for (int64_t i = 0; i < count; ++i) {
-      int64_t g = 0;
-      while (true) {
-        if (k >= m) return -1;
-        uint32_t s = static_cast<uint32_t>(in[k]) | (static_cast<uint32_t>(in[m + k]) << 8);
-        ++k;
-        g += s;
-        if (s != 65535) break;
-        if (g > hi) return -2;
-      }
-      int64_t p = prev + 1 + g;
-      if (p >= hi) return -2;
-      if (pos64) static_cast<int64_t*>(pos_out)[i] = p;
-      else static_cast<int32_t*>(pos_out)[i] = static_cast<int32_t>(p);
-      prev = p;
-    }
-    return k == m ? 0 : -3;
+    return pos64 ? gaps16_decode(in, len, count, lo, hi, static_cast<int64_t*>(pos_out))
+                 : gaps16_decode(in, len, count, lo, hi, static_cast<int32_t*>(pos_out));
   }
   return -9;
 }
