@@ -174,13 +174,6 @@ def join_tokens(tok: np.ndarray, esc: np.ndarray, bits_dtype: torch.dtype) -> to
     w = torch.empty(0, dtype=bits_dtype).element_size()
     if esc.size % w:
         raise StreamError("escape stream is not a whole number of values")
-    lib = kernels.native()
-    if lib is not None:
-        out = torch.empty(tok.size, dtype=bits_dtype)
-        if lib.dcr_join_tokens(tok.ctypes.data, tok.size, esc.ctypes.data, esc.size // w, w,
-                               out.data_ptr()) < 0:
-            raise StreamError("escape count does not match the token stream")
-        return out
     big = tok == 255
     if int(big.sum()) != esc.size // w:
         raise StreamError("escape count does not match the token stream")

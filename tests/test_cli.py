@@ -123,10 +123,15 @@ def _assert_refused(tmp_path, base, delta, match):
     assert tree(base) == before
 
 
-def test_corrupt_delta_refused(tmp_path):
+def _diffed(tmp_path):
     old, new, _ = make_pair(tmp_path)
     d = tmp_path / "d.dcr"
     run("diff", old, new, "-o", d, "-q")
+    return old, new, d
+
+
+def test_corrupt_delta_refused(tmp_path):
+    old, new, d = _diffed(tmp_path)
     raw = bytearray(d.read_bytes())
     raw[40] ^= 0x10  # inside the first chunk
     bad = tmp_path / "bad.dcr"
@@ -135,9 +140,7 @@ def test_corrupt_delta_refused(tmp_path):
 
 
 def test_truncated_delta_refused(tmp_path):
-    old, new, _ = make_pair(tmp_path)
-    d = tmp_path / "d.dcr"
-    run("diff", old, new, "-o", d, "-q")
+    old, new, d = _diffed(tmp_path)
     raw = d.read_bytes()
     for n, msg in [(len(raw) - 3, "truncated"), (10, "truncated"), (len(raw) // 2, "truncated")]:
         bad = tmp_path / f"t{n}.dcr"
@@ -146,9 +149,7 @@ def test_truncated_delta_refused(tmp_path):
 
 
 def test_corrupt_manifest_refused(tmp_path):
-    old, new, _ = make_pair(tmp_path)
-    d = tmp_path / "d.dcr"
-    run("diff", old, new, "-o", d, "-q")
+    old, new, d = _diffed(tmp_path)
     raw = bytearray(d.read_bytes())
     raw[-40] ^= 1
     d.write_bytes(bytes(raw))
@@ -156,26 +157,20 @@ def test_corrupt_manifest_refused(tmp_path):
 
 
 def test_wrong_base_refused(tmp_path):
-    old, new, _ = make_pair(tmp_path)
-    d = tmp_path / "d.dcr"
-    run("diff", old, new, "-o", d, "-q")
+    old, new, d = _diffed(tmp_path)
     # NEW as the base: right model, wrong version.
     _assert_refused(tmp_path, new, d, "does not match the delta's base")
 
 
 def test_wrong_model_refused(tmp_path):
-    old, new, _ = make_pair(tmp_path)
-    d = tmp_path / "d.dcr"
-    run("diff", old, new, "-o", d, "-q")
+    old, new, d = _diffed(tmp_path)
     other = tmp_path / "other.safetensors"
     save_file({"w": torch.zeros(3)}, str(other))
     _assert_refused(tmp_path, other, d, "wrong base")
 
 
 def test_wrong_version_refused(tmp_path):
-    old, new, _ = make_pair(tmp_path)
-    d = tmp_path / "d.dcr"
-    run("diff", old, new, "-o", d, "-q")
+    old, new, d = _diffed(tmp_path)
     raw = bytearray(d.read_bytes())
     raw[4] = 9
     d.write_bytes(bytes(raw))

@@ -267,10 +267,39 @@ inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
 }
 
 // ---------------------------------------------------------------- gap decoding
-// GAP8: a fast path takes 8 gap bytes at a time when none of them is an escape (255) and
-// 8 more positions are due; one range check per block suffices since positions increase.
+// One gap from a symbol reader sym(k), k < m: escape symbols (esc = "add esc, go on") then
+// the remainder. Returns the gap, or -1 (stream ends) / -2 (beyond hi: bounds hostile runs).
+template <class Sym>
+inline int64_t next_gap(Sym&& sym, int64_t& k, int64_t m, uint32_t esc, int64_t hi) {
+  int64_t g = 0;
+  while (true) {
+    if (k >= m) return -1;
+    uint32_t s = sym(k++);
+    g += s;
+    if (s != esc) return g;
+    if (g > hi) return -2;
+  }
+}
+
+// Positions out[i:count] from the gaps, after position prev. Returns 0 or < 0.
+template <class I, class Sym>
+int64_t gaps_decode(Sym&& sym, int64_t& k, int64_t m, uint32_t esc, int64_t i, int64_t count,
+                    int64_t prev, int64_t hi, I* out) {
+  for (; i < count; ++i) {
+    int64_t g = next_gap(sym, k, m, esc, hi);
+    if (g < 0) return g;
+    prev += 1 + g;
+    if (prev >= hi) return -2;
+    out[i] = static_cast<I>(prev);
+  }
+  return 0;
+}
+
+// GAP8, with a fast path: 8 gap bytes at a time when none is an escape (255) and 8 more
+// positions are due; one range check per block suffices since positions increase.
 template <class I>
 int64_t gaps8_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, int64_t hi, I* out) {
+  auto sym = [in](int64_t k) { return static_cast<uint32_t>(in[k]); };
   int64_t prev = lo - 1;
   int64_t k = 0, i = 0;
   while (i + 8 <= count && k + 8 <= len) {
@@ -278,18 +307,9 @@ int64_t gaps8_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, 
     std::memcpy(&w, in + k, 8);
     uint64_t inv = ~w;  // a 255 byte becomes a zero byte
     if (((inv - 0x0101010101010101ull) & ~inv & 0x8080808080808080ull) != 0) {
-      // An escape in this block: decode one gap the slow way.
-      int64_t g = 0;
-      while (true) {
-        if (k >= len) return -1;
-        uint8_t b = in[k++];
-        g += b;
-        if (b != 255) break;
-        if (g > hi) return -2;  // bounds the loop on hostile runs of 255
-      }
-      prev = prev + 1 + g;
-      if (prev >= hi) return -2;
-      out[i++] = static_cast<I>(prev);
+      int64_t rc = gaps_decode(sym, k, len, 255, i, i + 1, prev, hi, out);  // one gap, slowly
+      if (rc < 0) return rc;
+      prev = static_cast<int64_t>(out[i++]);
       continue;
     }
     for (int j = 0; j < 8; ++j) {
@@ -300,42 +320,20 @@ int64_t gaps8_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, 
     i += 8;
     k += 8;
   }
-  for (; i < count; ++i) {
-    int64_t g = 0;
-    while (true) {
-      if (k >= len) return -1;
-      uint8_t b = in[k++];
-      g += b;
-      if (b != 255) break;
-      if (g > hi) return -2;
-    }
-    prev = prev + 1 + g;
-    if (prev >= hi) return -2;
-    out[i] = static_cast<I>(prev);
-  }
+  int64_t rc = gaps_decode(sym, k, len, 255, i, count, prev, hi, out);
+  if (rc < 0) return rc;
   return k == len ? 0 : -3;
 }
 
+// GAP16: 16-bit symbols stored as two byte planes (low bytes, then high bytes).
 template <class I>
 int64_t gaps16_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, int64_t hi, I* out) {
   if (len % 2) return -3;
   int64_t m = len / 2;
-  int64_t prev = lo - 1;
+  auto sym = [in, m](int64_t k) { return static_cast<uint32_t>(in[k]) | (static_cast<uint32_t>(in[m + k]) << 8); };
   int64_t k = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    int64_t g = 0;
-    while (true) {
-      if (k >= m) return -1;
-      uint32_t s = static_cast<uint32_t>(in[k]) | (static_cast<uint32_t>(in[m + k]) << 8);
-      ++k;
-      g += s;
-      if (s != 65535) break;
-      if (g > hi) return -2;
-    }
-    prev = prev + 1 + g;
-    if (prev >= hi) return -2;
-    out[i] = static_cast<I>(prev);
-  }
+  int64_t rc = gaps_decode(sym, k, m, 65535, 0, count, lo - 1, hi, out);
+  if (rc < 0) return rc;
   return k == m ? 0 : -3;
 }
 
@@ -399,28 +397,6 @@ int64_t dcr_ulp_encode(const void* vals, const void* newv, int64_t count, int wi
   return 0;
 }
 
-// Values -> byte planes (plane b holds byte b of every value) and back.
-int64_t dcr_split_planes(const void* vals, int64_t count, int width, uint8_t* planes) {
-  DISPATCH_WIDTH(width, {
-    const T* v = static_cast<const T*>(vals);
-    for (int64_t i = 0; i < count; ++i)
-      for (int b = 0; b < width; ++b) planes[b * count + i] = static_cast<uint8_t>(v[i] >> (8 * b));
-  });
-  return 0;
-}
-
-int64_t dcr_join_planes(const uint8_t* planes, int64_t count, int width, void* vals) {
-  DISPATCH_WIDTH(width, {
-    T* v = static_cast<T*>(vals);
-    for (int64_t i = 0; i < count; ++i) {
-      T x = 0;
-      for (int b = 0; b < width; ++b) x |= static_cast<T>(static_cast<T>(planes[b * count + i]) << (8 * b));
-      v[i] = x;
-    }
-  });
-  return 0;
-}
-
 // Values (as zig-zag ulp differences if ulp; newv holds the new values) -> one byte token
 // each (min(v, 255)) plus the full value of every v >= 255 in esc. hist (optional, 512
 // counters) gets the token histograms of the raw coding [0:256] and, with newv, of the ulp
@@ -450,21 +426,6 @@ int64_t dcr_tokens(const void* vals, const void* newv, int64_t count, int width,
     }
   });
   return e;
-}
-
-// Inverse of dcr_tokens (after any ulp step); -1 if the escape count does not match the tokens.
-int64_t dcr_join_tokens(const uint8_t* tok, int64_t count, const void* esc, int64_t n_esc,
-                        int width, void* vals) {
-  int64_t need = 0;
-  for (int64_t i = 0; i < count; ++i) need += tok[i] == 255;
-  if (need != n_esc) return -1;
-  int64_t e = 0;
-  DISPATCH_WIDTH(width, {
-    T* v = static_cast<T*>(vals);
-    const T* ev = static_cast<const T*>(esc);
-    for (int64_t i = 0; i < count; ++i) v[i] = tok[i] == 255 ? ev[e++] : static_cast<T>(tok[i]);
-  });
-  return 0;
 }
 
 // Upper bound of dcr_ans_encode's output for n symbols (a symbol costs at most 12 bits).
