@@ -450,6 +450,20 @@ def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_
             yield b[i], b[i + 1], idx[i], idx[i + 1]
 
 
+def encode_sparse(name: str, kind: Kind, dtype: torch.dtype, numel: int, positions: torch.Tensor,
+                  values: torch.Tensor, new_values: torch.Tensor | None = None, *,
+                  span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
+                  value_modes: tuple[ValueMode, ...] | None = None) -> list[bytes]:
+    """Chunks for sorted positions of one tensor (split into ranges of `span` positions)."""
+    out = []
+    for lo, hi, s, e in split_ranges(positions, numel, span):
+        if e > s:
+            out.append(encode_chunk(name, kind, dtype, numel, lo, hi, positions[s:e], values[s:e],
+                                    None if new_values is None else new_values[s:e],
+                                    value_modes=value_modes, level=level))
+    return out
+
+
 def encode_delta(name: str, delta: SparseDelta, new_tensor: torch.Tensor | None = None, *,
                  span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
                  value_modes: tuple[ValueMode, ...] | None = None) -> list[bytes]:
@@ -458,14 +472,8 @@ def encode_delta(name: str, delta: SparseDelta, new_tensor: torch.Tensor | None 
     new = delta.new
     if new is None and new_tensor is not None:
         new = bits(new_tensor)[delta.positions.to(torch.int64)]
-    out = []
-    for lo, hi, s, e in split_ranges(delta.positions, delta.numel, span):
-        if e > s:
-            out.append(encode_chunk(name, Kind.XOR, delta.dtype, delta.numel, lo, hi,
-                                    delta.positions[s:e], delta.xor[s:e],
-                                    None if new is None else new[s:e],
-                                    value_modes=value_modes, level=level))
-    return out
+    return encode_sparse(name, Kind.XOR, delta.dtype, delta.numel, delta.positions, delta.xor, new,
+                         span=span, level=level, value_modes=value_modes)
 
 
 def encode_overwrite(name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None, *,
@@ -479,9 +487,5 @@ def encode_overwrite(name: str, tensor: torch.Tensor, positions: torch.Tensor | 
             hi = min(n, lo + span)
             out.append(encode_chunk(name, Kind.OVERWRITE, tensor.dtype, n, lo, hi, None, nb[lo:hi], level=level))
         return out
-    for lo, hi, s, e in split_ranges(positions, n, span):
-        if e > s:
-            p = positions[s:e]
-            out.append(encode_chunk(name, Kind.OVERWRITE, tensor.dtype, n, lo, hi, p,
-                                    nb[p.to(torch.int64)], level=level))
-    return out
+    return encode_sparse(name, Kind.OVERWRITE, tensor.dtype, n, positions, nb[positions.to(torch.int64)],
+                         span=span, level=level)

@@ -1,0 +1,141 @@
+"""CPU run mode for megatron-core (gloo), for tests, demos and benchmarks without a GPU.
+
+megatron-core assumes CUDA in a handful of places (see ../shared/DESIGN.md): tensors created
+with device="cuda" or torch.cuda.current_device(), the CUDA RNG tracker, param.type()
+strings such as 'torch.cuda.BFloat16Tensor', torch.cuda.synchronize/empty_cache, and
+collectives gloo lacks (reduce_scatter_tensor). `enable()` patches exactly those so that
+model construction, forward/backward, the pipeline schedule, DDP and the (distributed)
+optimizer run on CPU. It refuses to run where CUDA is available: there the real path runs
+untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+
+_enabled = False
+
+
+def _cpu_device(dev):
+    if dev is None:
+        return None
+    if isinstance(dev, int):
+        return torch.device("cpu")
+    if isinstance(dev, str) and dev.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        return torch.device("cpu")
+    return dev
+
+
+def _redirect(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper._dcr_cpu_shim = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_FACTORIES = ["empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "randint",
+              "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "linspace", "eye",
+              "empty_strided"]
+_CUDA_TYPES = {"torch.HalfTensor": "torch.cuda.HalfTensor", "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+               "torch.FloatTensor": "torch.cuda.FloatTensor"}
+
+
+def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """gloo has no reduce_scatter_tensor: all_reduce a copy and keep this rank's slice."""
+    buf = input.clone()
+    dist.all_reduce(buf, op=op, group=group)
+    rank = dist.get_rank(group)
+    n = output.numel()
+    output.copy_(buf.reshape(-1)[rank * n:(rank + 1) * n].view_as(output))
+    if async_op:
+        return _Done()
+    return None
+
+
+class _Done:
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _all_gather_into_tensor(output, input, group=None, async_op=False):
+    parts = list(output.reshape(-1).chunk(dist.get_world_size(group)))
+    bufs = [torch.empty_like(input.reshape(-1)) for _ in parts]
+    dist.all_gather(bufs, input.reshape(-1).contiguous(), group=group)
+    for p, b in zip(parts, bufs, strict=True):
+        p.copy_(b)
+    return _Done() if async_op else None
+
+
+def enable() -> None:
+    """Install the CPU shims (idempotent). Raises if CUDA is available."""
+    global _enabled
+    if _enabled:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_cpu is for machines without CUDA; use the real path here")
+    for name in _FACTORIES:
+        setattr(torch, name, _redirect(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    _orig_to = torch.Tensor.to
+
+    def _to(self, *args, **kwargs):
+        args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return _orig_to(self, *args, **kwargs)
+
+    torch.Tensor.to = _to  # type: ignore[method-assign]
+    _orig_type = torch.Tensor.type
+
+    def _type(self, *args, **kwargs):  # DistributedOptimizer checks 'torch.cuda.*Tensor' strings
+        out = _orig_type(self, *args, **kwargs)
+        return _CUDA_TYPES.get(out, out) if not args and not kwargs else out
+
+    torch.Tensor.type = _type  # type: ignore[method-assign]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
+    dist.reduce_scatter_tensor = _reduce_scatter_tensor  # type: ignore[assignment]
+    dist.all_gather_into_tensor = _all_gather_into_tensor  # type: ignore[assignment]
+    dist._reduce_scatter_base = _reduce_scatter_tensor  # type: ignore[attr-defined]
+    dist._all_gather_base = _all_gather_into_tensor  # type: ignore[attr-defined]
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore
+    mrandom._set_cuda_rng_state = lambda *a, **k: None  # type: ignore[attr-defined]
+
+    from megatron.core.transformer import utils as tutils
+
+    def _causal_mask(sq, *_a, **_k):
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    for name in ("get_default_causal_mask",):
+        if hasattr(tutils, name):
+            setattr(tutils, name, functools.lru_cache(maxsize=None)(_causal_mask))
+    _enabled = True
+
+
+def seed(value: int) -> None:
+    """model_parallel_cuda_manual_seed asserts CUDA; on CPU one torch seed serves all ranks
+    (use_cpu_initialization builds every master weight identically, then splits it)."""
+    torch.manual_seed(value)
+
+
+def is_enabled() -> bool:
+    return _enabled

@@ -1,0 +1,129 @@
+"""The sender side on one training rank: baselines, delta, placement, chunks.
+
+`ShardSender.step()` runs right after an optimizer step. For every parameter slice this rank
+sends (placement decides: main replica only, data-parallel ranks split the flat range), it
+takes the delta against the slice's baseline (the fused kernel; the baseline moves to the
+current bits), projects the changed positions into canonical coordinates and encodes XOR
+chunks. Parameters whose canonical bits are not a copy of the training bits (an fp32 norm
+served as bf16, a zero-centred gamma) go the residual way: converted on this rank, diffed
+against a canonical residual baseline, sent as overwrite chunks. Until `commit()`, the
+deltas are the undo log: `abort()` restores every baseline bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.delta import SparseDelta, bits, take_delta, undo
+from nemo_dcr_callback.placement.maps import ParamMap, Placement
+
+
+@dataclass
+class StepStats:
+    params: int = 0  # elements this rank sent for
+    changed: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    residual_changed: int = 0
+    per_tensor: dict[str, int] = field(default_factory=dict)  # canonical name -> changed
+
+
+def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice of a parameter as canonical values (the residual conversion)."""
+    x = pm.param.detach().reshape(-1)[pm.lo:pm.hi]
+    if pm.rule.transform == "plus_one":
+        x = x.float() + 1.0
+    return x.to(dtype)
+
+
+class ShardSender:
+    def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1):
+        self.placement = placement
+        self.span, self.level = span, level
+        self.active = [pm for pm in placement.params if pm.hi > pm.lo]
+        self.baselines: dict[str, torch.Tensor] = {}
+        for pm in self.active:
+            if pm.residual:
+                self.baselines[pm.name] = canonical_values(pm, placement.dtype).clone()
+            else:
+                self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
+        self._undo: list[tuple[str, SparseDelta]] = []
+
+    def _current(self, pm: ParamMap) -> torch.Tensor:
+        if pm.residual:
+            return canonical_values(pm, self.placement.dtype)
+        return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
+
+    def step(self) -> tuple[list[bytes], StepStats]:
+        """Chunks of this step's changes (canonical coordinates) and what they cover."""
+        if self._undo:
+            raise RuntimeError("the previous step is neither committed nor aborted")
+        chunks: list[bytes] = []
+        st = StepStats()
+        for pm in self.active:
+            cur = self._current(pm).contiguous()
+            base = self.baselines[pm.name]
+            d = take_delta(cur, base, keep_new=True)
+            self._undo.append((pm.name, d))
+            st.params += pm.hi - pm.lo
+            st.changed += d.count
+            if pm.residual:
+                st.residual_changed += d.count
+            if d.count == 0:
+                continue
+            local = d.positions.numpy().astype(np.int64) + pm.lo
+            for pr in Placement.project(pm, local):
+                pos = torch.from_numpy(pr.positions)
+                xor = torch.cat([d.xor[a:b] for a, b in pr.parts]) if len(pr.parts) > 1 else d.xor[slice(*pr.parts[0])]
+                new = torch.cat([d.new[a:b] for a, b in pr.parts]) if len(pr.parts) > 1 else d.new[slice(*pr.parts[0])]
+                numel = self.placement.numel(pr.name)
+                if pm.residual:
+                    out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
+                                              span=self.span, level=self.level)
+                else:
+                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, cur.dtype, numel, pos, xor, new,
+                                              span=self.span, level=self.level)
+                chunks += out
+                st.per_tensor[pr.name] = st.per_tensor.get(pr.name, 0) + pos.numel()
+        st.chunks = len(chunks)
+        st.bytes = sum(map(len, chunks))
+        return chunks, st
+
+    def commit(self) -> None:
+        """The joint commit: the baselines stay at this step's bits; drop the undo log."""
+        self._undo.clear()
+
+    def abort(self) -> None:
+        """Restore every baseline to the last committed bits."""
+        for name, d in reversed(self._undo):
+            undo(self.baselines[name], d)
+        self._undo.clear()
+
+    def coverage(self) -> dict[str, np.ndarray]:
+        """Every canonical position this rank is responsible for (tests count them)."""
+        out: dict[str, list[np.ndarray]] = {}
+        for pm in self.active:
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                out.setdefault(pr.name, []).append(pr.positions)
+        return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
+    """Apply chunks to canonical tensors (name -> tensor, e.g. a Hugging Face model's
+    state_dict(), whose tensors share storage with the parameters). Returns changes."""
+    n = 0
+    for c in chunks:
+        h = codec.parse_header(c)
+        if h.name not in state:
+            raise codec.ChunkError(f"receiver has no tensor {h.name!r}")
+        t = state[h.name]
+        codec.apply_chunk(c, t.view(-1) if t.is_contiguous() else t.reshape(-1), h.name)
+        n += h.count
+    return n
+
+
+__all__ = ["ShardSender", "StepStats", "apply_chunks", "bits"]
