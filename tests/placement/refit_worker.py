@@ -9,7 +9,6 @@ Exit status 0 and one "bit-exact" line per step on rank 0, or non-zero naming th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
@@ -37,7 +36,9 @@ def main() -> int:
     from nemo_dcr_callback import megatron_cpu
 
     megatron_cpu.enable()
-    dist.init_process_group("gloo")
+    import datetime
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(a.tp, a.pp)
@@ -119,7 +120,6 @@ def main() -> int:
                   f"{len(all_chunks)} chunks, {nbytes} bytes vs {2 * total} dense; "
                   f"{len(exp)} tensors bit-exact with the dense export", flush=True)
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
