@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all demo bench lint kernels clean
+.PHONY: setup test test-all placement demo bench lint kernels clean
 
 setup: $(STAMP)
 
@@ -31,11 +31,15 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q tests
 
+placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
+	$(BIN)/python -m pytest -q tests/placement
+
 demo: setup
 	$(BIN)/nemo-dcr demo
 
 bench: setup
 	$(BIN)/nemo-dcr bench codec --json benchmarks/results/codec.json
+	$(BIN)/nemo-dcr bench placement --json benchmarks/results/placement.json
 
 lint: setup
 	$(BIN)/ruff check .

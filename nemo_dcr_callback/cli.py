@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--json", default=None, help="write results to this JSON file")
 
+    bp = bsub.add_parser("placement", help="map building and projection speed (launches torchrun)")
+    bp.add_argument("--tp", type=_positive, default=2)
+    bp.add_argument("--pp", type=_positive, default=1)
+    bp.add_argument("--rate", type=float, default=0.03)
+    bp.add_argument("--json", default=None)
+    bp.add_argument("extra", nargs=argparse.REMAINDER, help="model options passed through (--layers, --hidden, ...)")
+
     de = sub.add_parser("demo", help="diff + patch round trip on a synthetic policy")
     de.add_argument("--params", type=_positive, default=1 << 24)
     de.add_argument("--change-rate", type=float, default=0.03)
@@ -97,6 +104,19 @@ def print_stats(st: dict) -> None:
     print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f}")
 
 
+def _torchrun(nproc: int, module: str, args: list[str]) -> int:
+    """Run a module under torchrun on this host (gloo on CPU), on a free loopback port."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", module, *args]
+    return subprocess.run(cmd).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nemo_dcr_callback import codec
@@ -120,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             from nemo_dcr_callback.deltafile import stats
             st = stats(args.delta)
             print(json.dumps(st, indent=2)) if args.json else print_stats(st)
+        elif args.cmd == "bench" and args.bench == "placement":
+            return _torchrun(args.tp * args.pp, "nemo_dcr_callback.placement.bench",
+                             ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
+                             + (["--json", args.json] if args.json else []) + list(args.extra))
         elif args.cmd == "bench":
             from nemo_dcr_callback import bench
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)

@@ -88,10 +88,17 @@ def hf_config(cfg: TinyGPTConfig):
 
 def wrap_for_training(model, lr: float = 1e-3, distributed_optimizer: bool = False, seed: int = 1234):
     """Megatron DDP (contiguous BF16 param/grad buffers) and a Megatron Adam optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = model.config
+    # As Megatron's training loop does: reduce grads across DP (and tied embeddings across
+    # the first and last pipeline stages) at the end of each schedule.
+    cfg.finalize_model_grads_func = finalize_model_grads
     ddp = DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                            use_distributed_optimizer=distributed_optimizer),

@@ -95,6 +95,15 @@ def main() -> int:
     for step in range(1, a.steps + 1):
         tokens = torch.randint(0, a.vocab, (2, 2, cfg.seq_length + 1), generator=g)
         train_step(ddp, opt, tokens, cfg)
+        # The DP work split assumes data-parallel replicas hold the same bits: check it.
+        from nemo_dcr_callback.codec import tensor_digest
+
+        mine = [tensor_digest(p.detach()) for p in model.parameters()]
+        peers = [None] * dp
+        dist.all_gather_object(peers, mine, group=ps.get_data_parallel_group())
+        if any(x != mine for x in peers):
+            print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
+            return 1
         chunks, st = sender.step()
         sender.commit()
         got = [None] * dist.get_world_size() if rank == 0 else None
