@@ -16,7 +16,7 @@ unchanged, so TP column splits are an offset and a row stride):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -78,4 +78,11 @@ QWEN3 = Family("qwen3", _LLAMA_RULES + (
     Rule("decoder.layers.self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",)),
 ))
 
-FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+# Megatron trained with zero-centred gamma (apply_layernorm_1p), served as a Llama checkpoint
+# whose norm weights are gamma + 1: the norms take the residual path.
+_NORMS = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+          "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.final_layernorm.weight"}
+LLAMA_ZERO_CENTERED = Family("llama-zc", tuple(replace(r, transform="plus_one") if r.megatron in _NORMS else r
+                                                for r in _LLAMA_RULES))
+
+FAMILIES = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, LLAMA_ZERO_CENTERED)}

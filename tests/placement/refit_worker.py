@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dist-opt", action="store_true")
+    ap.add_argument("--family", default="llama")
     a = ap.parse_args()
 
     from nemo_dcr_callback import megatron_cpu
@@ -43,23 +44,24 @@ def main() -> int:
 
     ps.initialize_model_parallel(a.tp, a.pp)
     from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, hf_config, train_step, wrap_for_training
-    from nemo_dcr_callback.placement import LLAMA, build_placement, dense_export
+    from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
     from nemo_dcr_callback.sender import ShardSender, apply_chunks
 
     rank = dist.get_rank()
+    family = FAMILIES[a.family]
     cfg = TinyGPTConfig(num_layers=a.layers, num_attention_heads=a.heads, num_query_groups=a.groups,
                         vocab_size=a.vocab, tie_word_embeddings=a.tie)
     model = build_model(cfg)
     ddp, opt = wrap_for_training(model, lr=a.lr, distributed_optimizer=a.dist_opt)
     dp = ps.get_data_parallel_world_size()
-    placement = build_placement(model, LLAMA, a.vocab, dp_rank=ps.get_data_parallel_rank(), dp_size=dp)
+    placement = build_placement(model, family, a.vocab, dp_rank=ps.get_data_parallel_rank(), dp_size=dp)
     sender = ShardSender(placement)
 
     # Coverage: every canonical element exactly once across all ranks.
     cov = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((sender.coverage(), placement.canonical), cov, dst=0)
     receiver = None
-    exp0 = dense_export(model, LLAMA, a.vocab)
+    exp0 = dense_export(model, family, a.vocab)
     if rank == 0:
         from transformers import LlamaForCausalLM
 
@@ -105,10 +107,16 @@ def main() -> int:
             print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
             return 1
         chunks, st = sender.step()
+        if step == 2:  # an aborted refit: the undo log restores the baselines, the retry is identical
+            sender.abort()
+            again, _ = sender.step()
+            if again != chunks:
+                print(f"FAIL step {step}: chunks after abort + retry differ")
+                return 1
         sender.commit()
         got = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object((chunks, st.changed, st.params, st.residual_changed), got, dst=0)
-        exp = dense_export(model, LLAMA, a.vocab)
+        exp = dense_export(model, family, a.vocab)
         if rank == 0:
             all_chunks = [c for r in got for c in r[0]]
             changed = sum(r[1] for r in got)
