@@ -74,11 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", default=None)
     bp.add_argument("extra", nargs=argparse.REMAINDER, help="model options passed through (--layers, --hidden, ...)")
 
-    de = sub.add_parser("demo", help="diff + patch round trip on a synthetic policy")
-    de.add_argument("--params", type=_positive, default=1 << 24)
-    de.add_argument("--change-rate", type=float, default=0.03)
-    de.add_argument("--steps", type=_positive, default=3)
-    de.add_argument("--workdir", default=None, help="where to write checkpoints (default: a temp dir)")
+    rc = sub.add_parser("receive", help="apply published versions to a Hugging Face model")
+    rc.add_argument("--store", required=True, help="store URL (file:///path)")
+    rc.add_argument("--hf-model", default=None, help="model directory (default: the store's keyframe)")
+    rc.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
+    rc.add_argument("--until", type=int, default=None, help="stop after this version")
+    rc.add_argument("--verify", action="store_true", help="compare each version with its dense export")
+    rc.add_argument("--timeout", type=float, default=600.0)
+
+    de = sub.add_parser("demo", help="the main job: 4-rank CPU training publishing to a following receiver")
+    de.add_argument("--steps", type=_positive, default=10)
+    de.add_argument("--tp", type=_positive, default=2)
+    de.add_argument("--pp", type=_positive, default=2)
+    de.add_argument("--workdir", default=None, help="run directory (default: runs/demo-<time>)")
+    de.add_argument("--files", action="store_true", help="instead: diff/patch round trip on a synthetic policy")
+    de.add_argument("--params", type=_positive, default=1 << 24, help="with --files")
+    de.add_argument("--change-rate", type=float, default=0.03, help="with --files")
 
     sub.add_parser("build-kernels", help="compile the CPU kernels (done by make setup)")
     return p
@@ -147,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench":
             from nemo_dcr_callback import bench
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
-        elif args.cmd == "demo":
+        elif args.cmd == "receive":
+            from nemo_dcr_callback.receiver.main import run_receive
+            return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout)
+        elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
-            return run_demo(args.params, args.change_rate, args.steps, args.workdir)
+            return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)
+        elif args.cmd == "demo":
+            from nemo_dcr_callback.demo import run_training_demo
+            return run_training_demo(args.steps, args.tp, args.pp, args.workdir)
         elif args.cmd == "build-kernels":
             from nemo_dcr_callback import kernels
             print(kernels.build(verbose=True))

@@ -58,17 +58,21 @@ class ShardSender:
             return canonical_values(pm, self.placement.dtype)
         return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
 
-    def step(self) -> tuple[list[bytes], StepStats]:
-        """Chunks of this step's changes (canonical coordinates) and what they cover."""
-        if self._undo:
-            raise RuntimeError("the previous step is neither committed nor aborted")
+    def take(self) -> list[tuple[ParamMap, SparseDelta]]:
+        """The synchronous part, right after the optimizer step: one fused kernel pass per
+        owned slice (baselines move to the current bits; the deltas join the undo log)."""
+        taken = []
+        for pm in self.active:
+            d = take_delta(self._current(pm).contiguous(), self.baselines[pm.name], keep_new=True)
+            self._undo.append((pm.name, d))
+            taken.append((pm, d))
+        return taken
+
+    def encode(self, taken: list[tuple[ParamMap, SparseDelta]]) -> tuple[list[bytes], StepStats]:
+        """Projection and encoding (may run in a background thread): canonical chunks."""
         chunks: list[bytes] = []
         st = StepStats()
-        for pm in self.active:
-            cur = self._current(pm).contiguous()
-            base = self.baselines[pm.name]
-            d = take_delta(cur, base, keep_new=True)
-            self._undo.append((pm.name, d))
+        for pm, d in taken:
             st.params += pm.hi - pm.lo
             st.changed += d.count
             if pm.residual:
@@ -78,20 +82,26 @@ class ShardSender:
             local = d.positions.numpy().astype(np.int64) + pm.lo
             for pr in Placement.project(pm, local):
                 pos = torch.from_numpy(pr.positions)
-                xor = torch.cat([d.xor[a:b] for a, b in pr.parts]) if len(pr.parts) > 1 else d.xor[slice(*pr.parts[0])]
-                new = torch.cat([d.new[a:b] for a, b in pr.parts]) if len(pr.parts) > 1 else d.new[slice(*pr.parts[0])]
+                xor = torch.cat([d.xor[a:b] for a, b in pr.parts])
+                new = torch.cat([d.new[a:b] for a, b in pr.parts])
                 numel = self.placement.numel(pr.name)
                 if pm.residual:
                     out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
                                               span=self.span, level=self.level)
                 else:
-                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, cur.dtype, numel, pos, xor, new,
+                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.param.dtype, numel, pos, xor, new,
                                               span=self.span, level=self.level)
                 chunks += out
                 st.per_tensor[pr.name] = st.per_tensor.get(pr.name, 0) + pos.numel()
         st.chunks = len(chunks)
         st.bytes = sum(map(len, chunks))
         return chunks, st
+
+    def step(self) -> tuple[list[bytes], StepStats]:
+        """take() and encode() in one call."""
+        if self._undo:
+            raise RuntimeError("the previous step is neither committed nor aborted")
+        return self.encode(self.take())
 
     def commit(self) -> None:
         """The joint commit: the baselines stay at this step's bits; drop the undo log."""

@@ -1,0 +1,78 @@
+"""`nemo-dcr receive`: a rollout-side receiver following a store with a Hugging Face model."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_dcr_callback import codec, commit
+from nemo_dcr_callback.receiver.follow import Applied, Follower
+from nemo_dcr_callback.transport.store import open_store
+
+
+def load_model(store, hf_model: str | None, timeout: float):
+    """The receiver's model: a Hugging Face directory, or the store's keyframe of version 0
+    (waited for, then loaded through transformers' own loader)."""
+    from transformers import AutoModelForCausalLM
+
+    if hf_model is None:
+        key = commit.keyframe_dir(0)
+        deadline = time.monotonic() + timeout
+        while not (store.exists(f"{key}/config.json") and store.exists(f"{key}/model.safetensors")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
+            time.sleep(0.1)
+        tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
+        for name in ("config.json", "model.safetensors"):
+            (tmp / name).write_bytes(store.get(f"{key}/{name}"))
+        hf_model = str(tmp)
+    return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
+
+
+def verify_version(store, v: int, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Compare with the dense export of version v; the first mismatching tensor, or None."""
+    from safetensors.torch import load
+
+    ref = load(store.get(commit.verify_key(v)))
+    for name, t in ref.items():
+        mine = tensors.get(name)
+        if mine is None or mine.shape != t.shape or not torch.equal(
+                mine.contiguous().view(torch.int16), t.contiguous().view(torch.int16)):
+            return name
+    return None
+
+
+def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
+                timeout: float) -> int:
+    store = open_store(url)
+    model = load_model(store, hf_model, timeout)
+    tensors = model.state_dict()
+    f = Follower(store, tensors, version=0)
+    tied = model.config.tie_word_embeddings
+    n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
+    print(f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0", flush=True)
+
+    def on_apply(a: Applied) -> None:
+        line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
+                f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms")
+        if verify:
+            bad = verify_version(store, a.version, tensors)
+            if bad is not None:
+                print(line + f"; MISMATCH in {bad} vs the dense export", flush=True)
+                raise SystemExit(3)
+            line += "; bit-exact with the dense export"
+        print(line, flush=True)
+
+    try:
+        if follow:
+            f.follow(until=until, timeout=timeout, on_apply=on_apply)
+        else:
+            f.poll(on_apply)
+    except (codec.ChunkError, TimeoutError, KeyError) as exc:
+        print(f"nemo-dcr receive: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

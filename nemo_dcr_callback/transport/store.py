@@ -1,0 +1,85 @@
+"""Object stores behind one small interface: file:// now (the embedded default), s3:// next.
+
+Keys are '/'-separated relative paths. `put` is atomic (a reader sees the whole object or
+none): write to a temporary name in the same directory, fsync, rename. `put_if_absent` is
+the conditional write the commit protocol relies on (exactly one writer wins).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class StoreError(OSError):
+    """The store cannot be reached or refused an operation."""
+
+
+class FileStore:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.url = "file://" + str(self.root.resolve())
+
+    def _path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad key {key!r}")
+        return self.root / key
+
+    def put(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write only if the key does not exist; True if this call created it."""
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, p)  # atomic, fails if p exists
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
+                      if p.is_file() and not p.name.endswith(".part"))
+
+
+def open_store(url: str):
+    """A store for a URL: file:///abs/path, file://rel/path or a plain path."""
+    u = urlparse(url)
+    if u.scheme in ("", "file"):
+        path = (u.netloc + u.path) if u.scheme == "file" else url
+        return FileStore(path)
+    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (file:// is built in; s3:// "
+                     "arrives with the S3 transport)")

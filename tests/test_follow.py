@@ -1,0 +1,130 @@
+"""Store, version records and the receiver's follow loop, on a real file:// store.
+
+Senders are simulated with the codec directly (two "ranks" splitting the tensors); the oracle
+is the new tensors themselves."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from conftest import perturb, random_tensor
+
+from nemo_dcr_callback import codec, commit, delta
+from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}.w": random_tensor((64, 33), torch.bfloat16, g, specials=False) for i in range(4)}
+
+
+def _publish(store, v, base, old, new, world=2):
+    names = sorted(old)
+    for r in range(world):
+        chunks = []
+        for n in names[r::world]:
+            d = delta.take_delta(new[n], old[n].clone(), keep_new=True)
+            chunks += codec.encode_delta(n, d)
+        headers = [codec.parse_header(c) for c in chunks]
+        commit.write_rank(store, v, r, world, chunks, sum(old[n].numel() for n in names[r::world]),
+                          sum(h.count for h in headers), headers)
+    return commit.seal_version(store, v, base, world, timeout=5)
+
+
+def _chain(store, steps=3):
+    states = [_model()]
+    g = torch.Generator().manual_seed(1)
+    for v in range(1, steps + 1):
+        states.append({k: perturb(t, 0.05, g) for k, t in states[-1].items()})
+        _publish(store, v, v - 1, states[-2], states[-1])
+    return states
+
+
+def test_follow_applies_chain_bit_exact(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    states = _chain(store)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    seen = []
+    f = Follower(store, tensors)
+    f.follow(until=3, timeout=5, on_apply=lambda a: seen.append(
+        (a.version, all(torch.equal(bits(tensors[k]), bits(states[a.version][k])) for k in tensors))))
+    assert seen == [(1, True), (2, True), (3, True)]  # checked right after each version
+
+
+def test_follow_waits_for_versions(tmp_path):
+    store = FileStore(tmp_path)
+    states = [_model()]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        states.append({k: perturb(t, 0.05, g) for k, t in states[-1].items()})
+    tensors = {k: t.clone() for k, t in states[0].items()}
+
+    def late():
+        for v in (1, 2):
+            _publish(store, v, v - 1, states[v - 1], states[v])
+
+    th = threading.Timer(0.3, late)
+    th.start()
+    Follower(store, tensors).follow(until=2, timeout=10, poll_s=0.02)
+    th.join()
+    assert all(torch.equal(bits(tensors[k]), bits(states[2][k])) for k in tensors)
+
+
+def test_corrupt_version_applies_nothing(tmp_path):
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=1)
+    obj = tmp_path / commit.rank_object(1, 1)
+    raw = bytearray(obj.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    obj.write_bytes(bytes(raw))
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    with pytest.raises(codec.ChunkError, match="does not match its manifest"):
+        Follower(store, tensors).apply_version(1)
+    assert all(torch.equal(bits(tensors[k]), bits(states[0][k])) for k in tensors)  # rank 0's chunks not applied
+
+
+def test_wrong_base_and_wrong_model_refused(tmp_path):
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=2)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    with pytest.raises(codec.ChunkError, match="builds on 1"):
+        Follower(store, tensors).apply_version(2)
+    other = {k.replace("layer", "blk"): t.clone() for k, t in states[0].items()}
+    with pytest.raises(codec.ChunkError, match="no tensor"):
+        Follower(store, other).apply_version(1)
+
+
+def test_store_put_if_absent_one_winner(tmp_path):
+    store = FileStore(tmp_path)
+    wins = []
+    ths = [threading.Thread(target=lambda i=i: wins.append(store.put_if_absent("x/rec", str(i).encode())))
+           for i in range(8)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert wins.count(True) == 1
+    assert store.get("x/rec").decode() in {str(i) for i in range(8)}
+    assert store.list("x") == ["x/rec"]
+    with pytest.raises(ValueError):
+        store.put("../escape", b"")
+    with pytest.raises(KeyError):
+        store.get("missing")
+    with pytest.raises(StoreError, match="unsupported"):
+        open_store("ftp://host/x")
+
+
+def test_seal_waits_for_every_rank(tmp_path):
+    store = FileStore(tmp_path)
+    commit.write_rank(store, 1, 0, 2, [], 0, 0, [])
+    with pytest.raises(TimeoutError, match="rank-00001"):
+        commit.seal_version(store, 1, 0, 2, timeout=0.2)
+    commit.write_rank(store, 1, 1, 2, [], 0, 0, [])
+    rec = commit.seal_version(store, 1, 0, 2, timeout=1)
+    assert rec["ranks"] == [commit.rank_manifest(1, 0), commit.rank_manifest(1, 1)]
+    assert json.loads(store.get(commit.version_record(1)))["base"] == 0
