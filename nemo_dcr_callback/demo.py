@@ -66,9 +66,10 @@ def run_demo(params: int, rate: float, steps: int, workdir: str | None) -> int:
 
 
 def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
-    """The main job: torchrun trains a megatron-core GPT (TP x PP on CPU) publishing every
-    step to a file:// store; a receiver process follows with a transformers model and checks
-    every version bit for bit against the dense export."""
+    """The main job: torchrun runs scripts/train.py (Lightning + megatron-core GPT, TP x PP on
+    CPU) with the DCR callback publishing every step to a file:// store; a receiver process
+    follows with a transformers model and checks every version bit for bit against the dense
+    export the callback writes in verify mode."""
     import socket
     import subprocess
     import sys
@@ -76,11 +77,13 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
 
     from nemo_dcr_callback.transport.store import open_store
 
-    root = Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    store_dir = (root / "store").resolve()
+    root = (Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    store_dir = root / "dcr-store"
     store_dir.mkdir(parents=True, exist_ok=True)
     url = "file://" + str(store_dir)
-    print(f"nemo-dcr demo: {tp * pp} ranks (TP {tp} x PP {pp}) on CPU, {steps} steps, store {url}", flush=True)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    print(f"nemo-dcr demo: scripts/train.py on {tp * pp} CPU ranks (TP {tp} x PP {pp}), {steps} steps, "
+          f"DCR callback -> {url}, a receiver process following", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,16 +102,17 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     th = threading.Thread(target=pump, daemon=True)
     th.start()
     t0 = time.perf_counter()
-    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
-                                "nemo_dcr_callback.demo_train", "--tp", str(tp), "--pp", str(pp),
-                                "--steps", str(steps), "--store", url, "--verify"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-addr",
+         "127.0.0.1", "--master-port", str(port), str(script), f"parallel.tensor_model_parallel_size={tp}",
+         f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}", f"dcr.store={url}",
+         "dcr.verify=true", f"hydra.run.dir={root}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     for line in trainer.stdout:
         tail = (tail + [line])[-40:]
-        if line.startswith("trainer:"):
-            print("  " + line.rstrip(), flush=True)
+        if line.startswith("dcr:"):
+            print("  trainer " + line.rstrip(), flush=True)
     if trainer.wait() != 0:
         receiver.kill()
         print("".join(tail))
@@ -120,24 +124,21 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
         print("demo FAILED: the receiver exited with an error")
         return 1
     store = open_store(url)
-    per_rank = json.loads(store.get("demo/publish_stats.json"))
-    applied = {}
-    for line in lines:
-        if line.startswith("receiver: version "):
-            v = int(line.split()[2])
-            applied[v] = line
+    stats = [s for k in store.list("stats") for s in json.loads(store.get(k))]
+    applied = {int(x.split()[2]): x for x in lines if x.startswith("receiver: version ")}
     print(f"\n{'step':>4} {'changed':>9} {'delta':>10} {'dense':>10} {'ratio':>7} {'publish ms':>10} "
           f"{'apply ms':>9}  check")
     for v in range(1, steps + 1):
         rec = json.loads(store.get(f"versions/{v:010d}/VERSION.json"))
-        pub = [s for rank in per_rank for s in rank if s["version"] == v]
-        publish_ms = 1e3 * max(s["kernel_s"] + s["encode_s"] + s["upload_s"] + s["seal_s"] for s in pub)
+        publish_ms = 1e3 * max(s["kernel_s"] + s["encode_s"] + s["upload_s"] + s["seal_s"]
+                               for s in stats if s["version"] == v)
         line = applied.get(v, "")
         apply_ms = float(line.split("apply ")[1].split(" ms")[0]) if "apply " in line else float("nan")
         dense = 2 * rec["params"]
-        ok = "bit-exact" if "bit-exact" in line else "MISSING"
         print(f"{v:>4} {rec['changed'] / rec['params']:9.2%} {rec['bytes'] / 1e3:8.1f}kB {dense / 1e6:8.2f}MB "
-              f"{dense / max(rec['bytes'], 1):6.1f}x {publish_ms:10.1f} {apply_ms:9.1f}  {ok}")
-    print(f"demo ok in {time.perf_counter() - t0:.0f} s: every version applied by the receiver is bit-exact "
-          "with the dense export" if len(applied) == steps else "demo FAILED: versions missing")
-    return 0 if len(applied) == steps and all("bit-exact" in x for x in applied.values()) else 1
+              f"{dense / max(rec['bytes'], 1):6.1f}x {publish_ms:10.1f} {apply_ms:9.1f}  "
+              f"{'bit-exact' if 'bit-exact' in line else 'MISSING'}")
+    ok = len(applied) == steps and all("bit-exact" in x for x in applied.values())
+    print(f"demo ok in {time.perf_counter() - t0:.0f} s: every version the receiver applied is bit-exact with the "
+          "dense export" if ok else "demo FAILED: versions missing or not bit-exact")
+    return 0 if ok else 1

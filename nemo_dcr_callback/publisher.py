@@ -104,9 +104,15 @@ class Publisher:
         self._raise()
 
     def close(self) -> None:
+        """Flush, stop the worker and leave this rank's per-version figures in the store
+        (stats/rank-NNNNN.json: kernel, encode, upload and seal times, bytes, changes)."""
+        import json
+        from dataclasses import asdict
+
         self.flush()
         self._q.put(None)
         self._worker.join(timeout=30)
+        self.store.put(f"stats/rank-{self.rank:05d}.json", json.dumps([asdict(h) for h in self.history]).encode())
 
     def _raise(self) -> None:
         if self._error is None:

@@ -17,4 +17,4 @@ def test_demo_end_to_end(tmp_path):
     rows = [line for line in p.stdout.splitlines() if line.strip().endswith("bit-exact")]
     assert len(rows) == 3, p.stdout
     assert "demo ok" in p.stdout
-    assert (tmp_path / "store" / "versions" / "0000000003" / "VERSION.json").exists()
+    assert (tmp_path / "dcr-store" / "versions" / "0000000003" / "VERSION.json").exists()

@@ -33,10 +33,16 @@ def load_model(store, hf_model: str | None, timeout: float):
     return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
 
 
-def verify_version(store, v: int, tensors: dict[str, torch.Tensor]) -> str | None:
-    """Compare with the dense export of version v; the first mismatching tensor, or None."""
+def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: float = 120.0) -> str | None:
+    """Compare with the dense export of version v (the trainer writes it just after sealing
+    the version, so wait for it); the first mismatching tensor, or None."""
     from safetensors.torch import load
 
+    deadline = time.monotonic() + timeout
+    while not store.exists(commit.verify_key(v)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no dense export of version {v} to verify against after {timeout:.0f} s")
+        time.sleep(0.05)
     ref = load(store.get(commit.verify_key(v)))
     for name, t in ref.items():
         mine = tensors.get(name)
@@ -60,7 +66,7 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
         line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
                 f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms")
         if verify:
-            bad = verify_version(store, a.version, tensors)
+            bad = verify_version(store, a.version, tensors, timeout)
             if bad is not None:
                 print(line + f"; MISMATCH in {bad} vs the dense export", flush=True)
                 raise SystemExit(3)

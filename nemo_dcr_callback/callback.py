@@ -1,0 +1,172 @@
+"""DCRCallback: the Lightning / NeMo face of nemo-dcr.
+
+Add it to a trainer (YAML: `trainer.callbacks: [{_target_: nemo_dcr_callback.DCRCallback, ...}]`)
+whose LightningModule trains a megatron-core model. After every `every_n_steps` optimizer steps
+it publishes a version: the delta kernel runs at once on this rank's shards (before the next
+step mutates them), projection, encoding and upload run in a background thread with a memory
+budget and back-pressure; a background failure is raised in the training loop at the next
+step. Metrics go to the trainer's logger under `dcr/`.
+
+The callback finds the Megatron model through `pl_module.dcr_model()` if the module defines
+it, else `pl_module.module` (NeMo's MegatronParallel: its first chunk). It needs
+torch.distributed and Megatron's parallel state initialised (the module's setup does that).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+try:  # lightning 2.x; NeMo 2 re-exports the same class
+    from lightning.pytorch import Callback
+except ImportError:  # pragma: no cover - pytorch_lightning-only installs
+    from pytorch_lightning import Callback  # type: ignore[no-redef]
+
+
+@dataclass
+class DCRConfig:
+    """Every option of the callback (configs/dcr.yaml documents each one)."""
+
+    store: str | None = None  # URL (file:///path); None: file://<trainer.default_root_dir>/dcr-store
+    family: str = "llama"  # placement table (nemo_dcr_callback.placement.FAMILIES)
+    vocab_size: int | None = None  # the tokenizer's vocabulary; None: pl_module.dcr_vocab_size
+    every_n_steps: int = 1  # publish a version every N optimizer steps
+    max_pending_bytes: int = 1 << 30  # undo-log bytes queued for upload before publish() blocks
+    chunk_span: int = 1 << 24  # positions per chunk
+    zstd_level: int = 1  # for zstd-coded streams
+    keyframe: bool = True  # write the dense export of version 0 as the receivers' starting point
+    verify: bool = False  # check every version bit for bit against the dense export (slow)
+    seal_timeout: float = 600.0  # seconds rank 0 waits for every rank's manifest
+
+
+class DCRCallback(Callback):
+    def __init__(self, store: str | None = None, family: str = "llama", vocab_size: int | None = None,
+                 every_n_steps: int = 1, max_pending_bytes: int = 1 << 30, chunk_span: int = 1 << 24,
+                 zstd_level: int = 1, keyframe: bool = True, verify: bool = False, seal_timeout: float = 600.0,
+                 **unknown):
+        if unknown:
+            raise TypeError(f"DCRCallback: unknown options {sorted(unknown)} (see configs/dcr.yaml)")
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
+                             keyframe, verify, seal_timeout)
+        self.publisher = None
+        self.steps = 0
+        self._verifier = None
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _model(pl_module):
+        if hasattr(pl_module, "dcr_model"):
+            return pl_module.dcr_model()
+        mod = getattr(pl_module, "module", None)
+        if mod is not None:
+            return mod[0] if isinstance(mod, (list, tuple, torch.nn.ModuleList)) else mod
+        raise TypeError("DCRCallback: the LightningModule must define dcr_model() (the megatron-core model "
+                        "chunk) or hold it as .module")
+
+    def _vocab(self, pl_module) -> int:
+        v = self.cfg.vocab_size or getattr(pl_module, "dcr_vocab_size", None)
+        if v is None:
+            raise ValueError("DCRCallback: vocab_size is not set (option vocab_size or pl_module.dcr_vocab_size)")
+        return int(v)
+
+    def _store_url(self, trainer) -> str:
+        if self.cfg.store:
+            return self.cfg.store
+        return "file://" + os.path.abspath(os.path.join(trainer.default_root_dir, "dcr-store"))
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch.distributed as dist
+
+        from nemo_dcr_callback import commit
+        from nemo_dcr_callback.placement import FAMILIES, dense_export
+        from nemo_dcr_callback.publisher import Publisher
+        from nemo_dcr_callback.transport.store import open_store
+
+        if self.cfg.family not in FAMILIES:
+            raise ValueError(f"DCRCallback: unknown family {self.cfg.family!r} (have {sorted(FAMILIES)})")
+        family = FAMILIES[self.cfg.family]
+        model, vocab = self._model(pl_module), self._vocab(pl_module)
+        store = open_store(self._store_url(trainer))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.cfg.keyframe or self.cfg.verify:
+            exp = dense_export(model, family, vocab)
+            if rank == 0:
+                from safetensors.torch import save
+
+                key = commit.keyframe_dir(0)
+                store.put(f"{key}/model.safetensors", save(exp))
+                hf = getattr(pl_module, "dcr_hf_config", None)
+                if hf is not None:
+                    store.put(f"{key}/config.json", hf().to_json_string().encode())
+                if self.cfg.verify:
+                    from nemo_dcr_callback.receiver import Follower
+
+                    self._verifier = Follower(store, {k: v.clone() for k, v in exp.items()}, version=0)
+        self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
+                                   max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
+                                   level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout)
+        self._family, self._vocab_n, self._model_ref = family, vocab, model
+        if rank == 0:
+            print(f"dcr: publishing to {store.url} every {self.cfg.every_n_steps} step(s) "
+                  f"({len(self.publisher.placement.params)} params on rank 0)", flush=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps += 1
+        if self.publisher is None or self.steps % self.cfg.every_n_steps:
+            return
+        st = self.publisher.publish(self.steps)
+        metrics = {"dcr/kernel_ms": 1e3 * st.kernel_s}
+        done = self.publisher.history[-1] if self.publisher.history else None
+        if done is not None:
+            metrics.update({"dcr/change_rate": done.changed / max(done.params, 1), "dcr/bytes": float(done.bytes),
+                            "dcr/ratio": 2.0 * done.params / max(done.bytes, 1),
+                            "dcr/encode_ms": 1e3 * done.encode_s, "dcr/upload_ms": 1e3 * done.upload_s})
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        if self.cfg.verify:
+            self._verify(self.steps)
+
+    def _verify(self, version: int) -> None:
+        """Receiver-side check, on rank 0, against the dense export (collective)."""
+        from nemo_dcr_callback.placement import dense_export
+
+        self.publisher.flush()
+        exp = dense_export(self._model_ref, self._family, self._vocab_n)
+        if self._verifier is None:
+            return
+        from safetensors.torch import save
+
+        from nemo_dcr_callback import commit
+
+        # For receivers elsewhere (nemo-dcr receive --verify) to compare with, too.
+        self.publisher.store.put(commit.verify_key(version), save(exp))
+        t0 = time.perf_counter()
+        self._verifier.follow(until=version, timeout=self.cfg.seal_timeout)
+        for name, ref in exp.items():
+            got = self._verifier.tensors[name]
+            if not torch.equal(ref.view(torch.int16), got.view(torch.int16)):
+                raise RuntimeError(f"dcr verify: version {version}: tensor {name} differs from the dense export")
+        print(f"dcr: version {version}: receiver bit-exact with the dense export ({len(exp)} tensors, "
+              f"follow+check {1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.publisher is not None:
+            try:
+                self.publisher.close()
+            except Exception:  # noqa: BLE001 - the training exception is the one to report
+                pass
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps = int(state_dict.get("steps", 0))
