@@ -40,6 +40,7 @@ demo: setup
 bench: setup
 	$(BIN)/nemo-dcr bench codec --json benchmarks/results/codec.json
 	$(BIN)/nemo-dcr bench placement --json benchmarks/results/placement.json
+	$(BIN)/nemo-dcr bench overhead --json benchmarks/results/overhead.json
 
 lint: setup
 	$(BIN)/ruff check .

@@ -148,7 +148,7 @@ class DCRCallback(Callback):
         t0 = time.perf_counter()
         self._verifier.follow(until=version, timeout=self.cfg.seal_timeout)
         for name, ref in exp.items():
-            got = self._verifier.tensors[name]
+            got = self._verifier.tensors[name]  # the verifier follows a plain state dict
             if not torch.equal(ref.view(torch.int16), got.view(torch.int16)):
                 raise RuntimeError(f"dcr verify: version {version}: tensor {name} differs from the dense export")
         print(f"dcr: version {version}: receiver bit-exact with the dense export ({len(exp)} tensors, "

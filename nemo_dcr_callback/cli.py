@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--until", type=int, default=None, help="stop after this version")
     rc.add_argument("--verify", action="store_true", help="compare each version with its dense export")
     rc.add_argument("--timeout", type=float, default=600.0)
+    rc.add_argument("--apply", choices=["loader", "direct"], default="loader",
+                    help="place changes through the model's own loader (default) or write tensors directly")
+
+    bo = bsub.add_parser("overhead", help="training-step time with and without the callback (torchrun)")
+    bo.add_argument("--tp", type=_positive, default=2)
+    bo.add_argument("--pp", type=_positive, default=2)
+    bo.add_argument("--steps", type=_positive, default=30)
+    bo.add_argument("--pairs", type=_positive, default=2)
+    bo.add_argument("--json", default=None)
+    bo.add_argument("extra", nargs=argparse.REMAINDER, help="Hydra overrides for both runs")
 
     de = sub.add_parser("demo", help="the main job: 4-rank CPU training publishing to a following receiver")
     de.add_argument("--steps", type=_positive, default=10)
@@ -151,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             from nemo_dcr_callback.deltafile import stats
             st = stats(args.delta)
             print(json.dumps(st, indent=2)) if args.json else print_stats(st)
+        elif args.cmd == "bench" and args.bench == "overhead":
+            from nemo_dcr_callback import bench_overhead
+            bench_overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra))
         elif args.cmd == "bench" and args.bench == "placement":
             return _torchrun(args.tp * args.pp, "nemo_dcr_callback.placement.bench",
                              ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
@@ -160,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
         elif args.cmd == "receive":
             from nemo_dcr_callback.receiver.main import run_receive
-            return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout)
+            return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
+                               args.apply)
         elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

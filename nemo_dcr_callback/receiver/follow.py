@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import xxhash
 
 from nemo_dcr_callback import codec, commit
@@ -47,12 +46,16 @@ def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
 
 
 class Follower:
-    """Applies versions, in chain order, to canonical tensors (name -> tensor sharing storage
-    with the model, e.g. a Hugging Face model's state_dict())."""
+    """Applies versions, in chain order, to a target: canonical tensors (name -> tensor
+    sharing storage with the model, e.g. a Hugging Face model's state_dict()) or a target
+    object from receiver.targets (a model updated through its own loader)."""
 
-    def __init__(self, store, tensors: dict[str, torch.Tensor], version: int = 0):
+    def __init__(self, store, target, version: int = 0):
+        from nemo_dcr_callback.receiver.targets import StateDictTarget
+
         self.store = store
-        self.tensors = tensors
+        self.target = StateDictTarget(target) if isinstance(target, dict) else target
+        self.tensors = target if isinstance(target, dict) else None
         self.version = version
 
     def apply_version(self, v: int) -> Applied:
@@ -63,16 +66,12 @@ class Follower:
         decoded = []
         for c in chunks:  # verify and decode everything before touching a weight
             h = codec.parse_header(c)
-            t = self.tensors.get(h.name)
-            if t is None:
-                raise codec.ChunkError(f"receiver has no tensor {h.name!r} (wrong model?)")
-            codec.check_target(h, t, h.name)
-            decoded.append((codec.decode_chunk(c, h), t))
+            self.target.check(h)
+            decoded.append(codec.decode_chunk(c, h))
         t1 = time.perf_counter()
-        for d, t in decoded:
-            codec.apply_decoded(d, t.view(-1))
+        self.target.apply(decoded)
         self.version = v
-        return Applied(v, rec["base"], len(chunks), sum(d.header.count for d, _ in decoded),
+        return Applied(v, rec["base"], len(chunks), sum(d.header.count for d in decoded),
                        sum(map(len, chunks)), t1 - t0, time.perf_counter() - t1)
 
     def poll(self, on_apply: Callable[[Applied], None] | None = None) -> list[Applied]:

@@ -53,11 +53,18 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
 
 
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
-                timeout: float) -> int:
+                timeout: float, apply: str = "loader") -> int:
     store = open_store(url)
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
-    f = Follower(store, tensors, version=0)
+    if apply == "loader":  # through the model's own loading code (load_state_dict), see targets.py
+        from nemo_dcr_callback.receiver.targets import LoaderTarget
+
+        shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
+        target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes)
+        f = Follower(store, target, version=0)
+    else:
+        f = Follower(store, tensors, version=0)
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
     print(f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0", flush=True)

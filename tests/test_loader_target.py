@@ -1,0 +1,114 @@
+"""Applying versions through a model's own loader: a vLLM-style model whose load_weights()
+fuses q/k/v into qkv_proj and gate/up into gate_up_proj must end on exactly the fused layout
+of the new canonical tensors (the oracle: torch.cat of the expected tensors), with XOR, ulp
+and overwrite (residual) chunks all placed by the model's code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturb, random_tensor
+
+from nemo_dcr_callback import codec, commit, delta
+from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.receiver import Follower, fetch_version
+from nemo_dcr_callback.receiver.targets import LoaderTarget
+from nemo_dcr_callback.transport.store import FileStore
+
+H, Q, KV, F = 32, 32, 16, 48
+SHAPES = {
+    "model.layers.0.self_attn.q_proj.weight": (Q, H), "model.layers.0.self_attn.k_proj.weight": (KV, H),
+    "model.layers.0.self_attn.v_proj.weight": (KV, H), "model.layers.0.self_attn.o_proj.weight": (H, Q),
+    "model.layers.0.mlp.gate_proj.weight": (F, H), "model.layers.0.mlp.up_proj.weight": (F, H),
+    "model.layers.0.mlp.down_proj.weight": (H, F), "model.layers.0.input_layernorm.weight": (H,),
+}
+STACKED = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", Q), ("qkv_proj", "v_proj", Q + KV),
+           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", F)]
+
+
+class FusedModel(torch.nn.Module):
+    """Parameters the way vLLM lays them out; load_weights renames, fuses and splits."""
+
+    def __init__(self, transform: bool = False):
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.qkv_proj, self.o_proj = z(Q + 2 * KV, H), z(H, Q)
+        self.gate_up_proj, self.down_proj, self.norm = z(2 * F, H), z(H, F), z(H)
+        self.transform = transform
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            for fused, part, off in STACKED:
+                if f".{part}." in name:
+                    getattr(self, fused).data.narrow(0, off, w.shape[0]).copy_(w)
+                    break
+            else:
+                short = {"o_proj": "o_proj", "down_proj": "down_proj", "input_layernorm": "norm"}
+                key = next(v for k, v in short.items() if f".{k}." in name)
+                src = w * 1.0 if self.transform and key == "norm" else w  # a value transform
+                getattr(self, key).data.copy_(src)
+
+
+def fused(state):
+    p = "model.layers.0."
+    return {"qkv_proj": torch.cat([state[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            "o_proj": state[p + "self_attn.o_proj.weight"], "down_proj": state[p + "mlp.down_proj.weight"],
+            "gate_up_proj": torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
+            "norm": state[p + "input_layernorm.weight"]}
+
+
+def _publish(store, v, old, new):
+    chunks = []
+    for n in sorted(old):
+        d = delta.take_delta(new[n], old[n].clone(), keep_new=True)
+        if "layernorm" in n:  # the residual way: overwrite chunks
+            chunks += codec.encode_overwrite(n, new[n], d.positions)
+        else:
+            chunks += codec.encode_delta(n, d)
+    headers = [codec.parse_header(c) for c in chunks]
+    commit.write_rank(store, v, 0, 1, chunks, sum(t.numel() for t in old.values()), sum(h.count for h in headers),
+                      headers)
+    commit.seal_version(store, v, v - 1, 1, timeout=5)
+
+
+def _states(n=3):
+    g = torch.Generator().manual_seed(3)
+    states = [{k: random_tensor(s, torch.bfloat16, g, specials=False) for k, s in SHAPES.items()}]
+    for _ in range(n):
+        states.append({k: perturb(t, 0.1, g) for k, t in states[-1].items()})
+    return states
+
+
+def test_loader_path_fuses_and_splits(tmp_path):
+    store = FileStore(tmp_path)
+    states = _states()
+    for v in range(1, 4):
+        _publish(store, v, states[v - 1], states[v])
+    model = FusedModel()
+    model.load_weights(states[0].items())  # the dense start
+    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    assert all(target.plain.values())
+    kinds = set()
+    f = Follower(store, target)
+    while f.version < 3:
+        v = f.version + 1
+        kinds |= {codec.parse_header(c).value_mode for c in fetch_version(store, v)[1]}
+        f.apply_version(v)
+        want = fused(states[v])
+        for k, t in want.items():
+            assert torch.equal(bits(getattr(model, k).data), bits(t)), (v, k)
+    assert codec.ValueMode.ULP in kinds  # the ulp path went through the dispatch mode too
+
+
+def test_transforming_loader_is_refused(tmp_path):
+    store = FileStore(tmp_path)
+    states = _states(1)
+    _publish(store, 1, states[0], states[1])
+    model = FusedModel(transform=True)
+    model.load_weights(states[0].items())
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    assert not target.plain["model.layers.0.input_layernorm.weight"]
+    with pytest.raises(codec.ChunkError, match="transforms"):
+        Follower(store, target).apply_version(1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing applied
