@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rc = sub.add_parser("receive", help="apply published versions to a Hugging Face model")
     rc.add_argument("--store", required=True, help="store URL (file:///path)")
-    rc.add_argument("--hf-model", default=None, help="model directory (default: the store's keyframe)")
+    rc.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
+    rc.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
     rc.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
     rc.add_argument("--until", type=int, default=None, help="stop after this version")
     rc.add_argument("--verify", action="store_true", help="compare each version with its dense export")
@@ -172,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             from nemo_dcr_callback import bench
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
         elif args.cmd == "receive":
-            from nemo_dcr_callback.receiver.main import run_receive
+            from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
+            if args.model_dir:
+                return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout)
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
                                args.apply)
         elif args.cmd == "demo" and args.files:

@@ -69,7 +69,10 @@ class Follower:
             self.target.check(h)
             decoded.append(codec.decode_chunk(c, h))
         t1 = time.perf_counter()
-        self.target.apply(decoded)
+        if hasattr(self.target, "version"):  # targets that journal (checkpoint directories)
+            self.target.apply(decoded, version=v)
+        else:
+            self.target.apply(decoded)
         self.version = v
         return Applied(v, rec["base"], len(chunks), sum(d.header.count for d in decoded),
                        sum(map(len, chunks)), t1 - t0, time.perf_counter() - t1)

@@ -89,3 +89,29 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
         print(f"nemo-dcr receive: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, timeout: float) -> int:
+    """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
+    from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
+
+    store = open_store(url)
+    target = CheckpointDirTarget(model_dir)
+    f = Follower(store, target, version=target.version)
+    print(f"receiver: {model_dir} holds version {target.version}", flush=True)
+
+    def on_apply(a: Applied) -> None:
+        print(f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
+              f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms", flush=True)
+
+    try:
+        if follow:
+            f.follow(until=until, timeout=timeout, on_apply=on_apply)
+        else:
+            f.poll(on_apply)
+    except (codec.ChunkError, TimeoutError, KeyError) as exc:
+        print(f"nemo-dcr receive: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        target.close()
+    return 0

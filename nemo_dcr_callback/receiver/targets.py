@@ -72,24 +72,26 @@ class _Watch(TorchDispatchMode):
 
 
 class _Combine(TorchDispatchMode):
-    """Turns the loader's copies into model storage into XOR / ulp-add / sentinel overwrite."""
+    """Turns the loader's copies into model storage into XOR / ulp-add / sentinel overwrite,
+    chosen by the scratch buffer the copy comes from."""
 
-    def __init__(self, model_storages: set[int], op: int, sentinel: int | None):
+    def __init__(self, model_storages: set[int], ops: dict[int, tuple[int, int | None]]):
         super().__init__()
-        self.model, self.op, self.sentinel = model_storages, op, sentinel
+        self.model, self.ops = model_storages, ops  # scratch storage -> (op, sentinel)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default and _storage_key(args[0]) in self.model:
             dst, src = args[0], args[1]
+            op, sentinel = self.ops[_storage_key(src)]
             bdt = BITS_DTYPE[dst.element_size()]
             d, s = dst.view(bdt), src.view(bdt)
-            if self.op == OP_XOR:
+            if op == OP_XOR:
                 d.bitwise_xor_(s)
-            elif self.op == OP_ULP:
+            elif op == OP_ULP:
                 d.copy_(ulp_add_reference(d, s))
             else:
-                d.copy_(torch.where(s == self.sentinel, d, s))
+                d.copy_(torch.where(s == sentinel, d, s))
             return dst
         return func(*args, **kwargs)
 
@@ -97,20 +99,17 @@ class _Combine(TorchDispatchMode):
 class LoaderTarget:
     """A live model updated through its own loader (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, load_fn: LoadFn, shapes: dict[str, tuple[torch.Size, torch.dtype]]):
+    def __init__(self, model: torch.nn.Module, load_fn: LoadFn, shapes: dict[str, tuple[torch.Size, torch.dtype]],
+                 scratch_bytes: int = 256 << 20):
         self.model, self.load_fn = model, load_fn
         self.shapes = shapes  # canonical name -> (shape, dtype), e.g. from the checkpoint's index
+        self.scratch_bytes = scratch_bytes  # loader calls are batched up to this much scratch
         self.storages = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self.plain = self._learn()
 
     def _buffer(self, name: str) -> torch.Tensor:
         shape, dtype = self.shapes[name]
-        n = int(torch.Size(shape).numel())
-        buf = self._scratch.get(dtype)
-        if buf is None or buf.numel() < n:
-            buf = self._scratch[dtype] = torch.zeros(max(n, 1), dtype=dtype)
-        return buf[:n].view(shape)
+        return torch.zeros(shape, dtype=dtype)
 
     def _learn(self) -> dict[str, bool]:
         plain = {}
@@ -135,9 +134,14 @@ class LoaderTarget:
                                    "in-place delta application is refused for it")
 
     def apply(self, decoded: list[codec.DecodedChunk]) -> None:
+        """One scratch tensor per (name, op), filled sparsely; the loader is called on
+        batches of them (bounded by scratch_bytes) under one dispatch mode."""
         groups: dict[tuple[str, int], list[codec.DecodedChunk]] = {}
         for d in decoded:
             groups.setdefault((d.header.name, d.op), []).append(d)
+        batch: list[tuple[str, torch.Tensor]] = []
+        ops: dict[int, tuple[int, int | None]] = {}
+        size = 0
         with torch.no_grad():
             for (name, op), ds in groups.items():
                 buf = self._buffer(name)
@@ -148,9 +152,18 @@ class LoaderTarget:
                     flat.fill_(sentinel)
                 for d in ds:
                     flat[d.positions.to(torch.int64)] = d.values
-                with _Combine(self.storages, op, sentinel):
-                    self.load_fn([(name, buf)])
-                flat.zero_()  # reusable scratch: zero again (a sparse reset would do for huge tensors)
+                ops[_storage_key(buf)] = (op, sentinel)
+                batch.append((name, buf))
+                size += buf.numel() * buf.element_size()
+                if size >= self.scratch_bytes:
+                    self._load(batch, ops)
+                    batch, ops, size = [], {}, 0
+            if batch:
+                self._load(batch, ops)
+
+    def _load(self, batch, ops) -> None:
+        with _Combine(self.storages, ops):
+            self.load_fn(batch)
 
     @staticmethod
     def _sentinel(bdt: torch.dtype, ds: list[codec.DecodedChunk]) -> int:
@@ -160,3 +173,117 @@ class LoaderTarget:
             if cand not in used:
                 return cand
         raise codec.ChunkError("no free sentinel for an overwrite chunk")
+
+
+class CheckpointDirTarget:
+    """A Hugging Face checkpoint directory patched in place, crash-safe.
+
+    Each version is first turned into a redo log: the new bits at every changed position
+    (computed from the file's current bits), written and fsynced under `.nemo-dcr/`, and
+    recorded as pending in `.nemo-dcr/state.json`; only then are the safetensors files
+    written (memory-mapped) and flushed, and the state moved to the new version. Replaying
+    the redo log is idempotent (overwrites), so a crash anywhere leaves a directory that the
+    next open completes: never half-applied, never reloaded from scratch.
+    """
+
+    def __init__(self, path):
+        import json
+        import mmap
+        from pathlib import Path
+
+        from nemo_dcr_callback.checkpoint import Checkpoint
+
+        self.path = Path(path)
+        self.meta = self.path / ".nemo-dcr"
+        self.meta.mkdir(exist_ok=True)
+        ck = Checkpoint(self.path)
+        self.where = {name: ck.files[f] for name, f in ck.where.items()}
+        ck_files = ck.files
+        self._maps = {}
+        for fname, sf in ck_files.items():
+            f = open(sf.path, "r+b")
+            self._maps[fname] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE))
+        self._file_of = dict(ck.where)
+        state_p = self.meta / "state.json"
+        self.version = 0
+        if state_p.exists():
+            st = json.loads(state_p.read_text())
+            self.version = st["version"]
+            if st.get("pending"):
+                self._replay(self.meta / st["pending"])
+                self.version = st["pending_version"]
+                self._write_state(self.version, None, None)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        sf = self.where[name]
+        e = sf.entries[name]
+        _, mm = self._maps[self._file_of[name]]
+        info = codec.dtype_info(e.dtype)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=sf.data_offset + e.begin)
+        return raw.view(info.torch)
+
+    def check(self, h: codec.ChunkHeader) -> None:
+        if h.name not in self.where:
+            raise codec.ChunkError(f"checkpoint has no tensor {h.name!r} (wrong model?)")
+        codec.check_target(h, self.tensor(h.name), h.name)
+
+    def _write_state(self, version: int, pending: str | None, pending_version: int | None) -> None:
+        import json
+        import os
+
+        tmp = self.meta / "state.json.tmp"
+        tmp.write_text(json.dumps({"version": version, "pending": pending, "pending_version": pending_version}))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.meta / "state.json")
+
+    def apply(self, decoded: list[codec.DecodedChunk], version: int | None = None) -> None:
+        import os
+
+        if version is None:
+            raise ValueError("CheckpointDirTarget.apply needs the version (for its redo log)")
+        records = []
+        for d in decoded:  # new bits at the changed positions, from the file's current bits
+            t = bits(self.tensor(d.header.name))
+            pos = d.positions.to(torch.int64)
+            cur = t[pos]
+            if d.op == OP_XOR:
+                new = cur ^ d.values
+            elif d.op == OP_ULP:
+                new = ulp_add_reference(cur, d.values)
+            else:
+                new = d.values
+            records.append((d.header.name, pos, new))
+        redo = f"redo-{version:010d}.pt"
+        with open(self.meta / redo, "wb") as f:
+            torch.save(records, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self._write_state(self.version, redo, version)
+        self._replay(self.meta / redo)
+        self._write_state(version, None, None)
+        (self.meta / redo).unlink(missing_ok=True)
+        self.version = version
+
+    def _replay(self, redo_path) -> None:
+        records = torch.load(redo_path, weights_only=True)
+        for name, pos, new in records:
+            bits(self.tensor(name))[pos] = new
+            self._crash_point()
+        for _, mm in self._maps.values():
+            mm.flush()
+
+    def _crash_point(self) -> None:
+        """Tests replace this to simulate a crash between two writes."""
+
+    def close(self) -> None:
+        import gc
+
+        gc.collect()  # drop tensor views of the maps
+        for f, mm in self._maps.values():
+            try:
+                mm.flush()
+                mm.close()
+            except BufferError:
+                pass
+            f.close()
