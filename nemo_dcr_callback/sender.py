@@ -89,7 +89,7 @@ class ShardSender:
                     out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
                                               span=self.span, level=self.level)
                 else:
-                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.param.dtype, numel, pos, xor, new,
+                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
                                               span=self.span, level=self.level)
                 chunks += out
                 st.per_tensor[pr.name] = st.per_tensor.get(pr.name, 0) + pos.numel()

@@ -44,10 +44,12 @@ class ParamMap:
     canon_offset: np.ndarray
     canon_stride: np.ndarray
     canon: list[str]
+    dtype: torch.dtype = torch.bfloat16  # the parameter's (training) dtype
+    size: int = 0  # the parameter's number of elements
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.size
 
 
 @dataclass
@@ -208,7 +210,7 @@ def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtyp
             residual=p.dtype != dtype or rule.transform is not None,
             local_start=arr[:, 0].copy(), length=arr[:, 1].copy(), row_len=arr[:, 2].copy(),
             canon_id=arr[:, 3].copy(), canon_offset=arr[:, 4].copy(), canon_stride=arr[:, 5].copy(),
-            canon=names))
+            canon=names, dtype=p.dtype, size=n))
     missing = set(params) - seen
     if missing:
         raise ValueError(f"parameters without a sharded-state-dict entry: {sorted(missing)}")
