@@ -87,10 +87,11 @@ def write_rank(store, v: int, rank: int, world: int, chunks: list[bytes], params
         refs.append(ChunkRef(offset=off, length=len(c), tensor=h.name, count=h.count,
                              checksum=xxhash.xxh3_64_hexdigest(c)))
         off += len(c)
-    store.put(rank_object(v, rank), b"".join(chunks))
+    # Rank objects and manifests can be re-published; the version record is the durable commit.
+    store.put(rank_object(v, rank), b"".join(chunks), durable=False)
     m = RankManifest(version=v, rank=rank, world=world, object=rank_object(v, rank), bytes=off, chunks=refs,
                      params=params, changed=changed)
-    store.put(rank_manifest(v, rank), json.dumps(m).encode())
+    store.put(rank_manifest(v, rank), json.dumps(m).encode(), durable=False)
     return m
 
 

@@ -87,7 +87,7 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
             results.put((version, False, "an earlier version failed", None))
             continue
         try:
-            taken = _unpack(spec.placement, payload)
+            taken = _unpack(spec.placement, _from_shm(payload) if isinstance(payload[1], str) else payload)
             t0 = time.perf_counter()
             chunks, ss = sender.encode(taken)
             t1 = time.perf_counter()
@@ -114,6 +114,31 @@ def _pack(index: dict[int, int], taken: list) -> tuple[list, bytes]:
         meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in arrs]))
         parts += [a.contiguous().view(torch.uint8).numpy().tobytes() for a in arrs]
     return meta, b"".join(parts)
+
+
+def _to_shm(payload: tuple[list, bytes]) -> tuple[list, str, int]:
+    """Put the blob in a shared-memory segment: the queue then carries only its name, so no
+    feeder thread in the trainer process streams megabytes through a pipe (and takes the GIL)."""
+    from multiprocessing import shared_memory
+
+    meta, blob = payload
+    shm = shared_memory.SharedMemory(create=True, size=max(len(blob), 1))
+    shm.buf[:len(blob)] = blob
+    name = shm.name
+    shm.close()
+    return meta, name, len(blob)
+
+
+def _from_shm(payload: tuple[list, str, int]) -> tuple[list, bytes]:
+    from multiprocessing import shared_memory
+
+    meta, name, n = payload
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        return meta, bytes(shm.buf[:n])
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 def _unpack(placement: Placement, payload: tuple[list, bytes]) -> list:
@@ -163,6 +188,7 @@ class Publisher:
         light = Placement([replace(pm, param=None) for pm in self.placement.params], self.placement.canonical,
                           self.placement.dtype)
         spec = _WorkerSpec(light, self.store.url, self.rank, self.world, span, level, seal_timeout, nice)
+        self._process = worker == "process"
         if worker == "process":
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()
@@ -192,6 +218,8 @@ class Publisher:
         self.sender.commit()  # the baseline moves now; a failed upload undoes it (see _raise)
         st = PublishStats(version=version, kernel_s=time.perf_counter() - t0)
         payload = _pack(self._index, taken)
+        if self._process:
+            payload = _to_shm(payload)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
             self._drain(block=True, timeout=1.0)  # back-pressure

@@ -111,3 +111,17 @@ def test_ulp_reference_round_trip(seed, dtype):
     new[:256] = old[:256] + torch.randint(-3, 4, (256,), generator=g).to(bd)  # near neighbours
     z = delta.ulp_diff_reference(old, new)
     assert torch.equal(delta.ulp_add_reference(old, z), new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vector_and_scalar_kernels_agree(monkeypatch, dtype):
+    """The AVX-512 path (where the CPU has it) and the portable path give the same output."""
+    g = torch.Generator().manual_seed(11)
+    old = random_tensor((2 * (1 << 20) + 45,), dtype, g)
+    new = perturb(old, 0.04, g, specials=True)
+    b1, b2 = old.clone(), old.clone()
+    d1 = delta.take_delta(new, b1, keep_new=True)
+    monkeypatch.setenv("NEMO_DCR_NO_AVX512", "1")
+    d2 = delta.take_delta(new, b2, keep_new=True)
+    assert torch.equal(d1.positions, d2.positions) and torch.equal(d1.xor, d2.xor) and torch.equal(d1.new, d2.new)
+    assert torch.equal(bits(b1), bits(b2))

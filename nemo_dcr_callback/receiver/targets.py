@@ -88,8 +88,9 @@ class _Combine(TorchDispatchMode):
             d, s = dst.view(bdt), src.view(bdt)
             if op == OP_XOR:
                 d.bitwise_xor_(s)
-            elif op == OP_ULP:
-                d.copy_(ulp_add_reference(d, s))
+            elif op == OP_ULP:  # only where the scratch holds a difference (zero elsewhere)
+                mask = s != 0
+                d[mask] = ulp_add_reference(d[mask], s[mask])
             else:
                 d.copy_(torch.where(s == sentinel, d, s))
             return dst

@@ -27,15 +27,17 @@ class FileStore:
             raise ValueError(f"bad key {key!r}")
         return self.root / key
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+        """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not)."""
         p = self._path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
