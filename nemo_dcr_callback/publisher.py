@@ -69,6 +69,11 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), spec.nice)
         except OSError:
             pass
+    if spec.nice >= 19 and hasattr(os, "sched_setscheduler") and threading.current_thread() is threading.main_thread():
+        try:  # a worker process runs only on otherwise idle CPU: any training thread preempts it at once
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
     torch.set_num_threads(1)
     store = open_store(spec.store_url)
     results.put(("ready", True, None, None))
