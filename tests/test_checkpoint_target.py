@@ -69,3 +69,20 @@ def test_crash_mid_version_is_completed_on_reopen(tmp_path):
     t.close()
     got = _load(d)
     assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])
+
+
+def test_receive_cli_model_dir(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store = FileStore(tmp_path / "store")
+    states = _chain(store, steps=2)
+    d = _dir(tmp_path, states[0])
+    exe = Path(sys.executable).parent / "nemo-dcr"
+    p = subprocess.run([str(exe), "receive", "--store", f"file://{tmp_path / 'store'}", "--model-dir", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "version 2 (base 1)" in p.stdout
+    got = _load(d)
+    assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])

@@ -102,17 +102,8 @@ int64_t delta_range_avx512(const uint16_t* cur, uint16_t* base, int64_t begin, i
     _mm512_storeu_si512(pos + k + c0, _mm512_maskz_compress_epi32(m1, _mm512_add_epi32(idx, sixteen)));
     k += c0 + __builtin_popcount(m1);
   }
-  for (; i < end; ++i) {
-    uint16_t xl = cur[i] ^ base[i];
-    if (xl) {
-      base[i] = cur[i];
-      pos[k] = static_cast<int32_t>(i);
-      val[k] = xl;
-      if (kNew) newv[k] = cur[i];
-      ++k;
-    }
-  }
-  return k;
+  // The last < 32 elements: the portable loop.
+  return k + delta_range<uint16_t, int32_t, kNew>(cur, base, i, end, pos + k, val + k, kNew ? newv + k : nullptr);
 }
 
 bool have_avx512() {

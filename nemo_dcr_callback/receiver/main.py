@@ -80,6 +80,11 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
             line += "; bit-exact with the dense export"
         print(line, flush=True)
 
+    return _follow(f, follow, until, timeout, on_apply)
+
+
+def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_apply) -> int:
+    """Apply what is there (or keep following); a refused version is an exit status 2."""
     try:
         if follow:
             f.follow(until=until, timeout=timeout, on_apply=on_apply)
@@ -105,13 +110,6 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
               f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms", flush=True)
 
     try:
-        if follow:
-            f.follow(until=until, timeout=timeout, on_apply=on_apply)
-        else:
-            f.poll(on_apply)
-    except (codec.ChunkError, TimeoutError, KeyError) as exc:
-        print(f"nemo-dcr receive: error: {exc}", file=sys.stderr)
-        return 2
+        return _follow(f, follow, until, timeout, on_apply)
     finally:
         target.close()
-    return 0

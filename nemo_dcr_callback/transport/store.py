@@ -27,8 +27,8 @@ class FileStore:
             raise ValueError(f"bad key {key!r}")
         return self.root / key
 
-    def put(self, key: str, data: bytes, durable: bool = True) -> None:
-        """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not)."""
+    def _staged(self, key: str, data: bytes, durable: bool) -> tuple[Path, str]:
+        """Write data to a temporary file next to the key's path (fsynced if durable)."""
         p = self._path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
@@ -38,6 +38,15 @@ class FileStore:
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return p, tmp
+
+    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+        """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not)."""
+        p, tmp = self._staged(key, data, durable)
+        try:
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -45,14 +54,8 @@ class FileStore:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Write only if the key does not exist; True if this call created it."""
-        p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
+        p, tmp = self._staged(key, data, True)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.link(tmp, p)  # atomic, fails if p exists
             return True
         except FileExistsError:
