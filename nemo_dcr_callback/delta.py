@@ -77,8 +77,22 @@ def take_delta_reference(current: torch.Tensor, baseline: torch.Tensor, keep_new
                        new if keep_new else None)
 
 
+class Scratch:
+    """Reusable worst-case output buffers for take_delta (one per caller thread): a shard
+    pass then allocates only what changed, not n-sized buffers every step."""
+
+    def __init__(self):
+        self.bufs: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, role: str, n: int) -> torch.Tensor:
+        t = self.bufs.get((dtype, role))
+        if t is None or t.numel() < n:
+            t = self.bufs[(dtype, role)] = torch.empty(n, dtype=dtype)
+        return t[:n]
+
+
 def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | None = None,
-               keep_new: bool = False) -> SparseDelta:
+               keep_new: bool = False, scratch: Scratch | None = None) -> SparseDelta:
     """One fused pass: XOR, compaction, baseline <- current. Returns the undo log.
 
     keep_new also returns the new values at the changed positions, which the encoder
@@ -93,9 +107,10 @@ def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | Non
     threads = threads or kernels.num_threads()
     cap = n + 64 * (threads + 2)
     idt = index_dtype(n)
-    pos = torch.empty(cap, dtype=idt)
-    val = torch.empty(cap, dtype=c.dtype)
-    new = torch.empty(cap, dtype=c.dtype) if keep_new else None
+    get = scratch.get if scratch is not None else (lambda dt, _role, k: torch.empty(k, dtype=dt))
+    pos = get(idt, "pos", cap)
+    val = get(c.dtype, "val", cap)
+    new = get(c.dtype, "new", cap) if keep_new else None
     count = lib.dcr_delta(c.data_ptr(), b.data_ptr(), n, c.element_size(), pos.data_ptr(),
                           int(idt == torch.int64), val.data_ptr(), kernels.ptr(new), threads)
     if count < 0:

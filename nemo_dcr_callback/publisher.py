@@ -110,28 +110,28 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
             results.put((version, False, f"{type(exc).__name__}: {exc}", None))
 
 
-def _pack(index: dict[int, int], taken: list) -> tuple[list, bytes]:
-    """The deltas of one version as one bytes blob (cheap to hand to another process: no
-    per-tensor shared-memory segments, no pickling work in the trainer's feeder thread)."""
-    meta, parts = [], []
+def _pack(index: dict[int, int], taken: list, shm: bool) -> tuple:
+    """The deltas of one version as one blob, written straight into a shared-memory segment
+    for a worker process (the queue then carries only its name: no per-tensor segments, no
+    feeder thread streaming megabytes through a pipe under the trainer's GIL), or as bytes."""
+    meta, arrs = [], []
     for pm, d in taken:
-        arrs = [d.positions, d.xor, d.new]
-        meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in arrs]))
-        parts += [a.contiguous().view(torch.uint8).numpy().tobytes() for a in arrs]
-    return meta, b"".join(parts)
-
-
-def _to_shm(payload: tuple[list, bytes]) -> tuple[list, str, int]:
-    """Put the blob in a shared-memory segment: the queue then carries only its name, so no
-    feeder thread in the trainer process streams megabytes through a pipe (and takes the GIL)."""
+        parts = [d.positions, d.xor, d.new]
+        meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in parts]))
+        arrs += [a.contiguous().view(torch.uint8).numpy() for a in parts]
+    if not shm:
+        return meta, b"".join(a.tobytes() for a in arrs)
     from multiprocessing import shared_memory
 
-    meta, blob = payload
-    shm = shared_memory.SharedMemory(create=True, size=max(len(blob), 1))
-    shm.buf[:len(blob)] = blob
-    name = shm.name
-    shm.close()
-    return meta, name, len(blob)
+    total = sum(a.size for a in arrs)
+    seg = shared_memory.SharedMemory(create=True, size=max(total, 1))
+    off = 0
+    for a in arrs:
+        seg.buf[off:off + a.size] = a
+        off += a.size
+    name = seg.name
+    seg.close()
+    return meta, name, total
 
 
 def _from_shm(payload: tuple[list, str, int]) -> tuple[list, bytes]:
@@ -222,9 +222,7 @@ class Publisher:
         taken = self.sender.take()
         self.sender.commit()  # the baseline moves now; a failed upload undoes it (see _raise)
         st = PublishStats(version=version, kernel_s=time.perf_counter() - t0)
-        payload = _pack(self._index, taken)
-        if self._process:
-            payload = _to_shm(payload)
+        payload = _pack(self._index, taken, self._process)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
             self._drain(block=True, timeout=1.0)  # back-pressure

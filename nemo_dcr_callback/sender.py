@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.delta import SparseDelta, bits, take_delta, undo
+from nemo_dcr_callback.delta import Scratch, SparseDelta, bits, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
 
@@ -52,6 +52,7 @@ class ShardSender:
             else:
                 self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
         self._undo: list[tuple[str, SparseDelta]] = []
+        self._scratch = Scratch()
 
     def _current(self, pm: ParamMap) -> torch.Tensor:
         if pm.residual:
@@ -63,7 +64,8 @@ class ShardSender:
         owned slice (baselines move to the current bits; the deltas join the undo log)."""
         taken = []
         for pm in self.active:
-            d = take_delta(self._current(pm).contiguous(), self.baselines[pm.name], keep_new=True)
+            d = take_delta(self._current(pm).contiguous(), self.baselines[pm.name], keep_new=True,
+                           scratch=self._scratch)
             self._undo.append((pm.name, d))
             taken.append((pm, d))
         return taken
