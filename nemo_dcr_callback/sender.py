@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.delta import Scratch, SparseDelta, bits, take_delta, undo
+from nemo_dcr_callback.delta import Scratch, SparseDelta, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
 
@@ -124,18 +124,4 @@ class ShardSender:
         return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
-    """Apply chunks to canonical tensors (name -> tensor, e.g. a Hugging Face model's
-    state_dict(), whose tensors share storage with the parameters). Returns changes."""
-    n = 0
-    for c in chunks:
-        h = codec.parse_header(c)
-        if h.name not in state:
-            raise codec.ChunkError(f"receiver has no tensor {h.name!r}")
-        t = state[h.name]
-        codec.apply_chunk(c, t.view(-1) if t.is_contiguous() else t.reshape(-1), h.name)
-        n += h.count
-    return n
-
-
-__all__ = ["ShardSender", "StepStats", "apply_chunks", "bits"]
+__all__ = ["ShardSender", "StepStats"]

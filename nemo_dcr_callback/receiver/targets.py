@@ -42,6 +42,19 @@ class StateDictTarget:
             codec.apply_decoded(d, self.tensors[d.header.name].view(-1))
 
 
+def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
+    """Apply chunks to canonical tensors: every chunk is checked and decoded before any is
+    applied. Returns the number of changed elements."""
+    target = StateDictTarget(state)
+    decoded = []
+    for c in chunks:
+        h = codec.parse_header(c)
+        target.check(h)
+        decoded.append(codec.decode_chunk(c, h))
+    target.apply(decoded)
+    return sum(d.header.count for d in decoded)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 

@@ -45,7 +45,8 @@ def main() -> int:
     ps.initialize_model_parallel(a.tp, a.pp)
     from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, hf_config, train_step, wrap_for_training
     from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
-    from nemo_dcr_callback.sender import ShardSender, apply_chunks
+    from nemo_dcr_callback.receiver.targets import apply_chunks
+    from nemo_dcr_callback.sender import ShardSender
 
     rank = dist.get_rank()
     family = FAMILIES[a.family]
