@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from nemo_dcr_callback.launch import torchrun_cmd
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
 
 def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run_dir = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead."))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), str(SCRIPT), f"parallel.tensor_model_parallel_size={tp}",
-           f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}",
-           *([] if with_callback else ["trainer.callbacks=[]"]), *extra]
+    cmd = torchrun_cmd(tp * pp, [str(SCRIPT), f"parallel.tensor_model_parallel_size={tp}",
+                                 f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}",
+                                 f"hydra.run.dir={run_dir}", *([] if with_callback else ["trainer.callbacks=[]"]),
+                                 *extra])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])

@@ -34,6 +34,16 @@ def _positive(s: str) -> int:
     return v
 
 
+def _torchrun_parser(sub, name: str, help: str, pp: int, extra: str) -> argparse.ArgumentParser:
+    """A benchmark that launches torchrun: --tp, --pp, --json and pass-through options."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--tp", type=_positive, default=2)
+    p.add_argument("--pp", type=_positive, default=pp)
+    p.add_argument("--json", default=None)
+    p.add_argument("extra", nargs=argparse.REMAINDER, help=extra)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-dcr", description="Delta-compressed refit for RL policies.")
     p.add_argument("--version", action="version", version=f"nemo-dcr {__version__}")
@@ -67,12 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--json", default=None, help="write results to this JSON file")
 
-    bp = bsub.add_parser("placement", help="map building and projection speed (launches torchrun)")
-    bp.add_argument("--tp", type=_positive, default=2)
-    bp.add_argument("--pp", type=_positive, default=1)
+    bp = _torchrun_parser(bsub, "placement", "map building and projection speed (launches torchrun)", pp=1,
+                          extra="model options passed through (--layers, --hidden, ...)")
     bp.add_argument("--rate", type=float, default=0.03)
-    bp.add_argument("--json", default=None)
-    bp.add_argument("extra", nargs=argparse.REMAINDER, help="model options passed through (--layers, --hidden, ...)")
 
     rc = sub.add_parser("receive", help="apply published versions to a Hugging Face model")
     rc.add_argument("--store", required=True, help="store URL (file:///path)")
@@ -85,13 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--apply", choices=["loader", "direct"], default="loader",
                     help="place changes through the model's own loader (default) or write tensors directly")
 
-    bo = bsub.add_parser("overhead", help="training-step time with and without the callback (torchrun)")
-    bo.add_argument("--tp", type=_positive, default=2)
-    bo.add_argument("--pp", type=_positive, default=2)
+    bo = _torchrun_parser(bsub, "overhead", "training-step time with and without the callback (torchrun)", pp=2,
+                          extra="Hydra overrides for both runs")
     bo.add_argument("--steps", type=_positive, default=30)
     bo.add_argument("--pairs", type=_positive, default=2)
-    bo.add_argument("--json", default=None)
-    bo.add_argument("extra", nargs=argparse.REMAINDER, help="Hydra overrides for both runs")
 
     de = sub.add_parser("demo", help="the main job: 4-rank CPU training publishing to a following receiver")
     de.add_argument("--steps", type=_positive, default=10)
@@ -127,16 +131,12 @@ def print_stats(st: dict) -> None:
 
 
 def _torchrun(nproc: int, module: str, args: list[str]) -> int:
-    """Run a module under torchrun on this host (gloo on CPU), on a free loopback port."""
-    import socket
+    """Run a module under torchrun on this host (gloo on CPU)."""
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", module, *args]
-    return subprocess.run(cmd).returncode
+    from nemo_dcr_callback.launch import torchrun_cmd
+
+    return subprocess.run(torchrun_cmd(nproc, ["-m", module, *args])).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

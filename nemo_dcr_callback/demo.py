@@ -70,11 +70,11 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     CPU) with the DCR callback publishing every step to a file:// store; a receiver process
     follows with a transformers model and checks every version bit for bit against the dense
     export the callback writes in verify mode."""
-    import socket
     import subprocess
     import sys
     import threading
 
+    from nemo_dcr_callback.launch import torchrun_cmd
     from nemo_dcr_callback.transport.store import open_store
 
     root = (Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
@@ -84,9 +84,6 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
     print(f"nemo-dcr demo: scripts/train.py on {tp * pp} CPU ranks (TP {tp} x PP {pp}), {steps} steps, "
           f"DCR callback -> {url}, a receiver process following", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     exe = Path(sys.executable).parent
     receiver = subprocess.Popen([str(exe / "nemo-dcr"), "receive", "--store", url, "--follow", "--until",
                                  str(steps), "--verify", "--timeout", "300"],
@@ -103,10 +100,9 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     th.start()
     t0 = time.perf_counter()
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-addr",
-         "127.0.0.1", "--master-port", str(port), str(script), f"parallel.tensor_model_parallel_size={tp}",
-         f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}", f"dcr.store={url}",
-         "dcr.verify=true", f"hydra.run.dir={root}"],
+        torchrun_cmd(tp * pp, [str(script), f"parallel.tensor_model_parallel_size={tp}",
+                               f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}",
+                               f"dcr.store={url}", "dcr.verify=true", f"hydra.run.dir={root}"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     for line in trainer.stdout:

@@ -7,21 +7,15 @@ from __future__ import annotations
 import csv
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from nemo_dcr_callback.launch import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), str(ROOT / "scripts" / "train.py"),
-           f"hydra.run.dir={tmp_path}", *overrides]
+    cmd = torchrun_cmd(nproc, [str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={tmp_path}", *overrides])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 

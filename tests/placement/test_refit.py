@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from nemo_dcr_callback.launch import torchrun_cmd
+
 WORKER = Path(__file__).with_name("refit_worker.py")
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 # (nproc, args): TP 1/2/4, PP 1/2, DP 2 (distributed optimizer and plain DDP), query groups
 # 1 / 2 / = heads, tied and untied, a vocabulary (250) that Megatron pads, residual norms.
@@ -32,18 +32,8 @@ SLOW = [
 ]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, worker: Path, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-           str(free_port()), str(worker), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_cmd(nproc, [str(worker), *args]), capture_output=True, text=True, timeout=timeout)
 
 
 def _run(nproc: int, args: list[str]) -> str:
