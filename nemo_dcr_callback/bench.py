@@ -21,7 +21,6 @@ import zstandard
 from nemo_dcr_callback import codec, kernels, synthetic
 from nemo_dcr_callback.codec import Layout, ValueMode
 from nemo_dcr_callback.delta import bits, take_delta
-from nemo_dcr_callback.streams import ulp_encode
 
 
 def _median_time(fn, reps: int, setup=None) -> float:
@@ -48,10 +47,6 @@ def machine() -> dict:
             "torch": torch.__version__, "native_kernels": kernels.native() is not None}
 
 
-def _info_bits(v: torch.Tensor) -> float:
-    return codec.entropy_bits(np.bincount(v.numpy().view(np.uint16), minlength=65536))
-
-
 def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dict:
     lr = policy.lr_for_rate(rate)
     old = policy.bf16()
@@ -70,10 +65,9 @@ def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dic
         d = take_delta(new[k], base, threads=1, keep_new=True)
         deltas[k] = d
         changed += d.count
-        pos_bits = codec.position_bound_bits(d.count, d.numel)
-        if d.count:
-            bound_x += pos_bits + _info_bits(d.xor)
-            bound_u += pos_bits + _info_bits(ulp_encode(d.xor, d.new))
+        b = codec.delta_bound_bits(d)
+        bound_x += b["positions"] + b["xor"]
+        bound_u += b["positions"] + b["ulp"]
         sizes["codec"] += sum(map(len, codec.encode_delta(k, d)))
         sizes["codec_xor_only"] += sum(map(len, codec.encode_delta(k, d, value_modes=(ValueMode.RAW,))))
         sizes["simple"] += sum(len(codec.encode_chunk(k, codec.Kind.XOR, d.dtype, d.numel, lo, hi,

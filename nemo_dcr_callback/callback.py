@@ -133,6 +133,7 @@ class DCRCallback(Callback):
 
     def _verify(self, version: int) -> None:
         """Receiver-side check, on rank 0, against the dense export (collective)."""
+        from nemo_dcr_callback.delta import bits
         from nemo_dcr_callback.placement import dense_export
 
         self.publisher.flush()
@@ -149,7 +150,7 @@ class DCRCallback(Callback):
         self._verifier.follow(until=version, timeout=self.cfg.seal_timeout)
         for name, ref in exp.items():
             got = self._verifier.tensors[name]  # the verifier follows a plain state dict
-            if not torch.equal(ref.view(torch.int16), got.view(torch.int16)):
+            if not torch.equal(bits(ref), bits(got)):
                 raise RuntimeError(f"dcr verify: version {version}: tensor {name} differs from the dense export")
         print(f"dcr: version {version}: receiver bit-exact with the dense export ({len(exp)} tensors, "
               f"follow+check {1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)

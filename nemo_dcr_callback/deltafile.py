@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 
@@ -70,24 +69,6 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _value_bits(delta, width: int, is_float: bool) -> tuple[float, float | None]:
-    """Order-0 information (bits) of the XOR values and, for floats, of the ulp values."""
-    def info(v: torch.Tensor) -> float:
-        u = v.numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
-        if width <= 2:
-            return codec.entropy_bits(np.bincount(u, minlength=1 << (8 * width)))
-        _, counts = np.unique(u, return_counts=True)
-        return codec.entropy_bits(counts)
-    if delta.count == 0:
-        return 0.0, (0.0 if is_float and width > 1 else None)
-    x = info(delta.xor)
-    u = None
-    if is_float and width > 1 and delta.new is not None:
-        from nemo_dcr_callback.streams import ulp_encode
-        u = info(ulp_encode(delta.xor, delta.new))
-    return x, u
-
-
 def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
          span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False) -> dict:
     """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest."""
@@ -103,7 +84,6 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
                 files.append({"path": fname, "header": sf.header_bytes.decode()})
                 for name, e in sorted(sf.entries.items(), key=lambda kv: kv[1].begin):
                     cur = sf.tensor(name)
-                    info = codec.dtype_info(e.dtype)
                     rec = {"name": name, "file": fname, "dtype": e.dtype, "shape": list(e.shape),
                            "numel": cur.numel(), "new_digest": codec.tensor_digest(cur)}
                     same_kind = (name in old.where and old.entry(name).dtype == e.dtype
@@ -113,10 +93,7 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
                         rec["old_digest"] = codec.tensor_digest(base)
                         d = take_delta(cur, base, keep_new=True)
                         chunks = codec.encode_delta(name, d, span=span, level=level)
-                        xb, ub = _value_bits(d, info.width, info.is_float)
-                        rec.update(mode="xor", changed=d.count,
-                                   bound_bits={"positions": codec.position_bound_bits(d.count, d.numel),
-                                               "xor": xb, "ulp": ub})
+                        rec.update(mode="xor", changed=d.count, bound_bits=codec.delta_bound_bits(d))
                     else:
                         chunks = codec.encode_overwrite(name, cur.contiguous(), span=span, level=level)
                         rec.update(mode="full", changed=cur.numel(), old_digest=None)

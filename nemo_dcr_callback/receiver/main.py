@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback import codec, commit
+from nemo_dcr_callback.delta import bits
 from nemo_dcr_callback.receiver.follow import Applied, Follower
 from nemo_dcr_callback.transport.store import open_store
 
@@ -46,8 +47,7 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
     ref = load(store.get(commit.verify_key(v)))
     for name, t in ref.items():
         mine = tensors.get(name)
-        if mine is None or mine.shape != t.shape or not torch.equal(
-                mine.contiguous().view(torch.int16), t.contiguous().view(torch.int16)):
+        if mine is None or mine.shape != t.shape or not torch.equal(bits(mine.contiguous()), bits(t.contiguous())):
             return name
     return None
 
