@@ -40,19 +40,29 @@ class DCRConfig:
     keyframe: bool = True  # write the dense export of version 0 as the receivers' starting point
     verify: bool = False  # check every version bit for bit against the dense export (slow)
     seal_timeout: float = 600.0  # seconds rank 0 waits for every rank's manifest
+    commit_policy: str = "quorum"  # wait | abort | quorum: what to do about slow or refusing receivers
+    ack_timeout: float = 60.0  # seconds the committer waits for receivers' acks
+    quorum: float = 0.5  # quorum policy: fraction of registered receivers that must ack
+    keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
+    part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, as soon as full
 
 
 class DCRCallback(Callback):
     def __init__(self, store: str | None = None, family: str = "llama", vocab_size: int | None = None,
                  every_n_steps: int = 1, max_pending_bytes: int = 1 << 30, chunk_span: int = 1 << 24,
                  zstd_level: int = 1, keyframe: bool = True, verify: bool = False, seal_timeout: float = 600.0,
-                 **unknown):
+                 commit_policy: str = "quorum", ack_timeout: float = 60.0, quorum: float = 0.5,
+                 keyframe_every: int = 0, part_bytes: int = 4 << 20, **unknown):
         if unknown:
             raise TypeError(f"DCRCallback: unknown options {sorted(unknown)} (see configs/dcr.yaml)")
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
+        from nemo_dcr_callback.commit import CommitPolicy
+
         self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
-                             keyframe, verify, seal_timeout)
+                             keyframe, verify, seal_timeout, commit_policy, ack_timeout, quorum, keyframe_every,
+                             part_bytes)
+        self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)  # validates the options now
         self.publisher = None
         self.steps = 0
         self._verifier = None
@@ -97,20 +107,16 @@ class DCRCallback(Callback):
         if self.cfg.keyframe or self.cfg.verify:
             exp = dense_export(model, family, vocab)
             if rank == 0:
-                from safetensors.torch import save
-
-                key = commit.keyframe_dir(0)
-                store.put(f"{key}/model.safetensors", save(exp))
                 hf = getattr(pl_module, "dcr_hf_config", None)
-                if hf is not None:
-                    store.put(f"{key}/config.json", hf().to_json_string().encode())
+                commit.write_keyframe(store, 0, exp, hf().to_json_string() if hf is not None else None)
                 if self.cfg.verify:
                     from nemo_dcr_callback.receiver import Follower
 
                     self._verifier = Follower(store, {k: v.clone() for k, v in exp.items()}, version=0)
         self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
                                    max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
-                                   level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout)
+                                   level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout, policy=self.policy,
+                                   part_bytes=self.cfg.part_bytes)
         self._family, self._vocab_n, self._model_ref = family, vocab, model
         if rank == 0:
             print(f"dcr: publishing to {store.url} every {self.cfg.every_n_steps} step(s) "
@@ -120,8 +126,9 @@ class DCRCallback(Callback):
         self.steps += 1
         if self.publisher is None or self.steps % self.cfg.every_n_steps:
             return
+        t0 = time.perf_counter()
         st = self.publisher.publish(self.steps)
-        metrics = {"dcr/kernel_ms": 1e3 * st.kernel_s}
+        metrics = {"dcr/kernel_ms": 1e3 * st.kernel_s, "dcr/publish_ms": 1e3 * (time.perf_counter() - t0)}
         done = self.publisher.history[-1] if self.publisher.history else None
         if done is not None:
             metrics.update({"dcr/change_rate": done.changed / max(done.params, 1), "dcr/bytes": float(done.bytes),
@@ -130,6 +137,21 @@ class DCRCallback(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         if self.cfg.verify:
             self._verify(self.steps)
+        elif self.cfg.keyframe_every and self.steps % (self.cfg.keyframe_every * self.cfg.every_n_steps) == 0:
+            self._keyframe(self.steps, pl_module)
+
+    def _keyframe(self, version: int, pl_module) -> None:
+        """A full canonical checkpoint of `version` (a collective: every rank takes part in the
+        dense export; rank 0 writes it). Receivers use it once the version is committed."""
+        import torch.distributed as dist
+
+        from nemo_dcr_callback import commit
+        from nemo_dcr_callback.placement import dense_export
+
+        exp = dense_export(self._model_ref, self._family, self._vocab_n)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            hf = getattr(pl_module, "dcr_hf_config", None)
+            commit.write_keyframe(self.publisher.store, version, exp, hf().to_json_string() if hf is not None else None)
 
     def _verify(self, version: int) -> None:
         """Receiver-side check, on rank 0, against the dense export (collective)."""

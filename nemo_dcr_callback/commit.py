@@ -1,45 +1,58 @@
-"""Versions in a store: per-rank chunk objects and manifests, then one version record.
+"""The commit protocol: versions in a store, receiver acks, the joint commit (docs/PROTOCOL.md).
 
-Layout (keys under the store's root):
+Keys under the store's root:
 
-    keyframe/{v}/...                    a full canonical checkpoint (safetensors + config.json)
-    versions/{v:010d}/rank-{r:05d}.dcr  the rank's chunks, back to back
-    versions/{v:010d}/rank-{r:05d}.json its manifest (RankManifest)
-    versions/{v:010d}/VERSION.json      the version record (VersionRecord), written once every
-                                        rank's manifest exists, with a conditional write
-    verify/{v:010d}/model.safetensors   verify mode only: the dense export of the version
+    versions/{v}/rank-{r}/part-{n}.dcr  chunks back to back, each part uploaded as soon as it
+                                        is full (receivers may fetch them while later ones are
+                                        still being encoded)
+    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums, the rank's
+                                        additive digests; written after its last part
+    versions/{v}/VERSION.json           VersionRecord, once every rank's manifest exists:
+                                        base, totals, per-tensor digests (If-None-Match)
+    versions/{v}/acks/{receiver}.json   Ack: the receiver fetched and verified every chunk and
+                                        holds the base (or a refusal, with the reason)
+    versions/{v}/DECISION.json          Decision: commit or abort, written with If-None-Match
+                                        so exactly one writer decides; commit binds v as the
+                                        baseline of the next delta
+    receivers/{id}.json                 a receiver's registration: the version it holds
+    keyframe/{v}/model.safetensors      a full canonical checkpoint (+ config.json, KEYFRAME.json)
+    verify/{v}/model.safetensors        verify mode only: the dense export of version v
 
-A receiver applies version v only once VERSION.json exists and its `base` is the version it
-holds. Receiver acks, the joint commit that moves the senders' baselines, quorum policies
-and garbage collection are the commit-protocol issue's; this module is the part they build on.
+({v} is zero-padded to 10 digits, {r} to 5, {n} to 6.)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import TypedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypedDict
 
 import xxhash
 
+from nemo_dcr_callback import digest
 
-class ChunkRef(TypedDict):
-    offset: int
-    length: int
-    tensor: str
-    count: int
-    checksum: str  # xxh3-64 of the chunk bytes (hex)
+
+class PartRef(TypedDict):
+    key: str
+    bytes: int
+    chunks: int
+    checksum: str  # xxh3-64 of the part's bytes (hex)
 
 
 class RankManifest(TypedDict):
     version: int
+    base: int
     rank: int
     world: int
-    object: str  # key of the chunks object
+    parts: list[PartRef]
     bytes: int
-    chunks: list[ChunkRef]
+    chunks: int
     params: int
     changed: int
+    digests: dict[str, str]  # canonical tensor -> additive digest of this rank's slice at `version`
 
 
 class VersionRecord(TypedDict):
@@ -50,15 +63,42 @@ class VersionRecord(TypedDict):
     bytes: int
     params: int
     changed: int
+    digests: dict[str, str]  # canonical tensor -> digest of the whole tensor at `version`
     time: float
 
 
+class Ack(TypedDict):
+    version: int
+    receiver: str
+    base: int
+    ok: bool
+    error: str | None
+    time: float
+
+
+class Decision(TypedDict):
+    version: int
+    base: int
+    decision: Literal["commit", "abort"]
+    acked: list[str]
+    lagging: list[str]  # receivers that did not ack in time: they catch up later
+    reason: str
+    time: float
+
+
+class Registration(TypedDict):
+    receiver: str
+    version: int
+    time: float
+
+
+# ------------------------------------------------------------------ keys
 def vdir(v: int) -> str:
     return f"versions/{v:010d}"
 
 
-def rank_object(v: int, r: int) -> str:
-    return f"{vdir(v)}/rank-{r:05d}.dcr"
+def part_key(v: int, r: int, n: int) -> str:
+    return f"{vdir(v)}/rank-{r:05d}/part-{n:06d}.dcr"
 
 
 def rank_manifest(v: int, r: int) -> str:
@@ -69,6 +109,18 @@ def version_record(v: int) -> str:
     return f"{vdir(v)}/VERSION.json"
 
 
+def ack_key(v: int, receiver: str) -> str:
+    return f"{vdir(v)}/acks/{receiver}.json"
+
+
+def decision_key(v: int) -> str:
+    return f"{vdir(v)}/DECISION.json"
+
+
+def receiver_key(receiver: str) -> str:
+    return f"receivers/{receiver}.json"
+
+
 def keyframe_dir(v: int) -> str:
     return f"keyframe/{v:010d}"
 
@@ -77,49 +129,297 @@ def verify_key(v: int) -> str:
     return f"verify/{v:010d}/model.safetensors"
 
 
-def write_rank(store, v: int, rank: int, world: int, chunks: list[bytes], params: int, changed: int,
-               headers: list) -> RankManifest:
-    """Upload one rank's chunks as one object, then its manifest (the manifest last, so a
-    manifest always names a complete object)."""
-    refs: list[ChunkRef] = []
-    off = 0
-    for c, h in zip(chunks, headers, strict=True):
-        refs.append(ChunkRef(offset=off, length=len(c), tensor=h.name, count=h.count,
-                             checksum=xxhash.xxh3_64_hexdigest(c)))
-        off += len(c)
-    # Rank objects and manifests can be re-published; the version record is the durable commit.
-    store.put(rank_object(v, rank), b"".join(chunks), durable=False)
-    m = RankManifest(version=v, rank=rank, world=world, object=rank_object(v, rank), bytes=off, chunks=refs,
-                     params=params, changed=changed)
-    store.put(rank_manifest(v, rank), json.dumps(m).encode(), durable=False)
-    return m
+def _get_json(store, key: str):
+    try:
+        return json.loads(store.get(key))
+    except KeyError:
+        return None
 
 
-def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.02) -> VersionRecord:
-    """Wait for every rank's manifest of version v, then write its record (conditional
-    write: if another writer got there first, theirs stands). Returns the record."""
+# ------------------------------------------------------------------ sender side
+class RankWriter:
+    """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
+    each part is uploaded as soon as it is full (concurrently where the store can), and the
+    manifest goes last, so a manifest always names complete, checksummed parts."""
+
+    def __init__(self, store, v: int, base: int, rank: int, world: int, part_bytes: int = 4 << 20,
+                 max_inflight: int = 8):
+        self.store, self.v, self.base, self.rank, self.world = store, v, base, rank, world
+        self.part_bytes, self.max_inflight = part_bytes, max_inflight
+        self.parts: list[PartRef] = []
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._futs: list = []
+        self.first_put: float | None = None
+
+    def add(self, chunk: bytes) -> None:
+        self._buf.append(chunk)
+        self._size += len(chunk)
+        if self._size >= self.part_bytes:
+            self._flush_part()
+
+    def _flush_part(self) -> None:
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        key = part_key(self.v, self.rank, len(self.parts))
+        self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
+                                  checksum=xxhash.xxh3_64_hexdigest(data)))
+        self._buf, self._size = [], 0
+        if self.first_put is None:
+            self.first_put = time.perf_counter()
+        pool = getattr(self.store, "executor", None)
+        if pool is None:
+            self.store.put(key, data, durable=False)
+            return
+        self._futs = [f for f in self._futs if not f.done() or f.exception()]
+        while len(self._futs) >= self.max_inflight:  # bounded memory: wait for the oldest upload
+            self._futs.pop(0).result()
+        self._futs.append(pool().submit(self.store.put, key, data, False))
+
+    def finish(self, params: int, changed: int, digests: dict[str, int]) -> RankManifest:
+        self._flush_part()
+        for f in self._futs:
+            f.result()  # the first upload error is raised here
+        m = RankManifest(version=self.v, base=self.base, rank=self.rank, world=self.world, parts=self.parts,
+                         bytes=sum(p["bytes"] for p in self.parts), chunks=sum(p["chunks"] for p in self.parts),
+                         params=params, changed=changed, digests={k: digest.hexd(d) for k, d in digests.items()})
+        self.store.put(rank_manifest(self.v, self.rank), json.dumps(m).encode(), durable=False)
+        return m
+
+
+def write_rank(store, v: int, base: int, rank: int, world: int, chunks: list[bytes], params: int, changed: int,
+               digests: dict[str, int] | None = None) -> RankManifest:
+    """One rank's chunks in one go (tools and tests; the publisher streams with RankWriter)."""
+    w = RankWriter(store, v, base, rank, world)
+    for c in chunks:
+        w.add(c)
+    return w.finish(params, changed, digests or {})
+
+
+def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.01) -> VersionRecord:
+    """Wait for every rank's manifest of version v, then write its record with a conditional
+    write (if another writer got there first, theirs stands). Returns the record."""
     deadline = time.monotonic() + timeout
     keys = [rank_manifest(v, r) for r in range(world)]
-    while not all(store.exists(k) for k in keys):
-        if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.exists(k)]
-            raise TimeoutError(f"version {v}: manifests missing after {timeout:.0f} s: {missing[:4]}")
-        time.sleep(poll)
-    ms = [json.loads(store.get(k)) for k in keys]
-    rec = VersionRecord(version=v, base=base, world=world, ranks=keys, bytes=sum(m["bytes"] for m in ms),
-                        params=sum(m["params"] for m in ms), changed=sum(m["changed"] for m in ms),
-                        time=time.time())
+    ms: dict[str, dict] = {}
+    while len(ms) < world:
+        for k in keys:
+            if k not in ms:
+                m = _get_json(store, k)
+                if m is not None:
+                    ms[k] = m
+        if len(ms) < world:
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if k not in ms]
+                raise TimeoutError(f"version {v}: rank manifests missing after {timeout:.0f} s: {missing[:4]}")
+            time.sleep(poll)
+    for k, m in ms.items():
+        if m["version"] != v or m["base"] != base:
+            raise RuntimeError(f"{k}: manifest is for version {m['version']} on base {m['base']}, "
+                               f"expected {v} on {base} (ranks disagree)")
+    digests: dict[str, int] = {}
+    for m in ms.values():
+        for name, d in m["digests"].items():
+            digests[name] = (digests.get(name, 0) + int(d, 16)) & digest.MASK
+    rec = VersionRecord(version=v, base=base, world=world, ranks=keys, bytes=sum(m["bytes"] for m in ms.values()),
+                        params=sum(m["params"] for m in ms.values()),
+                        changed=sum(m["changed"] for m in ms.values()),
+                        digests={k: digest.hexd(d) for k, d in sorted(digests.items())}, time=time.time())
     if not store.put_if_absent(version_record(v), json.dumps(rec).encode()):
         rec = json.loads(store.get(version_record(v)))
     return rec
 
 
 def read_record(store, v: int) -> VersionRecord | None:
-    try:
-        return json.loads(store.get(version_record(v)))
-    except KeyError:
-        return None
+    return _get_json(store, version_record(v))
+
+
+def read_manifest(store, v: int, r: int) -> RankManifest | None:
+    return _get_json(store, rank_manifest(v, r))
 
 
 def list_versions(store) -> list[int]:
-    return sorted({int(k.split("/")[1]) for k in store.list("versions") if k.endswith("/VERSION.json")})
+    """Every version that has objects in the store (sealed or not)."""
+    return sorted(int(c) for c in store.children("versions") if c.isdigit())
+
+
+# ------------------------------------------------------------------ receivers and acks
+def register(store, receiver: str, version: int) -> None:
+    """A receiver announces itself and the version it holds (and refreshes it after each apply)."""
+    store.put(receiver_key(receiver), json.dumps(Registration(receiver=receiver, version=version,
+                                                              time=time.time())).encode())
+
+
+def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
+    """Registered receivers (those seen within live_s seconds, if given)."""
+    out = {}
+    now = time.time()
+    for name in store.children("receivers"):
+        if name.endswith(".json"):
+            r = _get_json(store, f"receivers/{name}")
+            if r is not None and (live_s is None or now - r["time"] <= live_s):
+                out[r["receiver"]] = r
+    return out
+
+
+def write_ack(store, v: int, receiver: str, base: int, ok: bool = True, error: str | None = None) -> None:
+    store.put(ack_key(v, receiver), json.dumps(Ack(version=v, receiver=receiver, base=base, ok=ok, error=error,
+                                                   time=time.time())).encode())
+
+
+def read_acks(store, v: int) -> dict[str, Ack]:
+    out = {}
+    for name in store.children(f"{vdir(v)}/acks"):
+        a = _get_json(store, f"{vdir(v)}/acks/{name}")
+        if a is not None:
+            out[a["receiver"]] = a
+    return out
+
+
+# ------------------------------------------------------------------ the joint commit
+@dataclass
+class CommitPolicy:
+    """What the committer does about receivers that are slow, missing or refuse a version.
+
+    wait:   commit once every expected receiver acked; a refusal aborts; past `timeout` it is
+            an error (the trainer sees it; nothing is committed).
+    abort:  as wait, but past `timeout` the version is aborted (senders restore their
+            baselines; the next version covers the changes).
+    quorum: commit once every expected receiver answered, or at `timeout` if at least
+            `quorum` of them acked; the rest are marked lagging and catch up later;
+            otherwise abort.
+    Expected receivers: those registered (and seen within `live_s`) when the version is
+    sealed. With none registered, a sealed version commits at once.
+    """
+
+    mode: Literal["wait", "abort", "quorum"] = "quorum"
+    timeout: float = 60.0
+    quorum: float = 0.5
+    live_s: float = 600.0
+    poll: float = 0.01
+
+    def __post_init__(self):
+        if self.mode not in ("wait", "abort", "quorum"):
+            raise ValueError(f"commit policy must be wait, abort or quorum, not {self.mode!r}")
+        if not 0.0 <= self.quorum <= 1.0:
+            raise ValueError("quorum is a fraction in [0, 1]")
+
+
+class CommitTimeout(TimeoutError):
+    pass
+
+
+def decide(store, v: int, base: int, decision: str, acked: list[str], lagging: list[str], reason: str) -> Decision:
+    """Write the decision for v with If-None-Match; returns the decision that stands (ours, or
+    the one another writer got in first)."""
+    d = Decision(version=v, base=base, decision=decision, acked=sorted(acked), lagging=sorted(lagging),
+                 reason=reason, time=time.time())
+    if store.put_if_absent(decision_key(v), json.dumps(d).encode()):
+        return d
+    return json.loads(store.get(decision_key(v)))
+
+
+def read_decision(store, v: int) -> Decision | None:
+    return _get_json(store, decision_key(v))
+
+
+def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: bool = True,
+               expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
+    """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
+    per the policy, then decide. A version whose base was not committed is aborted at once."""
+    v, base = rec["version"], rec["base"]
+    if not base_committed:
+        return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
+    if expected is None:
+        expected = sorted(receivers(store, policy.live_s))
+    deadline = time.monotonic() + policy.timeout
+    need = math.ceil(policy.quorum * len(expected))
+    while True:
+        acks = {k: a for k, a in read_acks(store, v).items() if k in expected}
+        ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
+        refused = [k for k, a in acks.items() if not (a["ok"] and a["base"] == base)]
+        if len(ok) == len(expected):
+            return decide(store, v, base, "commit", ok, [], f"{len(ok)}/{len(expected)} receivers acked")
+        if refused and policy.mode in ("wait", "abort"):
+            why = "; ".join(f"{k}: {acks[k]['error'] or 'wrong base'}" for k in refused[:3])
+            return decide(store, v, base, "abort", ok, refused, f"refused by {why}")
+        answered = len(acks) == len(expected)
+        late = time.monotonic() > deadline
+        if policy.mode == "quorum" and (answered or late):
+            lagging = [k for k in expected if k not in ok]
+            if len(ok) >= need:
+                return decide(store, v, base, "commit", ok, lagging,
+                              f"quorum {len(ok)}/{len(expected)} (need {need})")
+            return decide(store, v, base, "abort", ok, lagging, f"no quorum: {len(ok)}/{len(expected)} (need {need})")
+        if late:
+            missing = [k for k in expected if k not in acks]
+            if policy.mode == "abort":
+                return decide(store, v, base, "abort", ok, missing,
+                              f"no ack from {missing[:4]} in {policy.timeout:.0f} s")
+            raise CommitTimeout(f"version {v}: no ack from {missing[:4]} after {policy.timeout:.0f} s "
+                                "(commit policy 'wait')")
+        time.sleep(policy.poll)
+
+
+def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:
+    """Wait for the decision on v (non-committing ranks, receivers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        d = read_decision(store, v)
+        if d is not None:
+            return d
+        if time.monotonic() > deadline:
+            raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def committed_versions(store) -> list[int]:
+    return [v for v in list_versions(store) if (d := read_decision(store, v)) and d["decision"] == "commit"]
+
+
+# ------------------------------------------------------------------ keyframes and garbage
+def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
+    """A full canonical checkpoint of version v (safetensors), its config and digests; the
+    record goes last, so a keyframe with a record is complete."""
+    from safetensors.torch import save
+
+    d = keyframe_dir(v)
+    store.put(f"{d}/model.safetensors", save({k: t.contiguous() for k, t in tensors.items()}))
+    if config_json is not None:
+        store.put(f"{d}/config.json", config_json.encode())
+    store.put(f"{d}/KEYFRAME.json", json.dumps({"version": v, "digests": {
+        k: digest.hexd(digest.sum64(t)) for k, t in sorted(tensors.items())}, "time": time.time()}).encode())
+
+
+def keyframes(store) -> list[int]:
+    """Complete keyframes (with a record); version 0 counts as committed by definition."""
+    return sorted(int(c) for c in store.children("keyframe") if c.isdigit()
+                  and store.exists(f"keyframe/{c}/KEYFRAME.json"))
+
+
+def read_keyframe(store, v: int) -> dict | None:
+    return _get_json(store, f"{keyframe_dir(v)}/KEYFRAME.json")
+
+
+def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
+    """Delete what nobody needs: aborted versions; undecided versions older than the newest
+    decision; committed versions at or below both the newest usable keyframe and the oldest
+    version a live receiver holds; keyframes older than the newest usable one. Returns the
+    deleted keys."""
+    vs = list_versions(store)
+    decisions = {v: read_decision(store, v) for v in vs}
+    committed = [v for v in vs if decisions[v] and decisions[v]["decision"] == "commit"]
+    kfs = [k for k in keyframes(store) if k == 0 or k in committed]
+    newest_kf = max(kfs, default=0)
+    held = [r["version"] for r in receivers(store, live_s).values()]
+    floor = min([newest_kf, *held])
+    newest_decided = max((v for v in vs if decisions[v]), default=-1)
+    doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
+                       or (decisions[v] is None and v < newest_decided) or (v in committed and v <= floor)]
+    keys = [k for v in doomed_versions for k in store.list(vdir(v))]
+    keys += [k for kf in kfs if kf < newest_kf for k in store.list(keyframe_dir(kf))]
+    keys += [k for v in doomed_versions for k in store.list(f"verify/{v:010d}")]
+    if keys and not dry_run:
+        store.delete(keys)
+    return keys

@@ -37,14 +37,18 @@ from nemo_dcr_callback.transport.store import open_store
 @dataclass
 class PublishStats:
     version: int
+    base: int = 0
     params: int = 0
     changed: int = 0
     bytes: int = 0
     chunks: int = 0
     kernel_s: float = 0.0
-    encode_s: float = 0.0
-    upload_s: float = 0.0
+    encode_s: float = 0.0  # encoding, with the uploads of full parts overlapping it
+    upload_s: float = 0.0  # after encoding: the last parts and the manifest
     seal_s: float = 0.0
+    commit_s: float = 0.0  # sealed -> decision (acks per the commit policy)
+    decision: str = ""
+    reason: str = ""
     extra: dict = field(default_factory=dict)
 
 
@@ -60,54 +64,114 @@ class _WorkerSpec:
     level: int
     seal_timeout: float
     nice: int
+    policy: commit.CommitPolicy
+    base_version: int
+    digests: dict[str, int]  # this rank's slice digests at base_version
+    part_bytes: int = 4 << 20
 
 
-def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
-    """Encode, upload and (rank 0) seal each queued version; report every outcome."""
-    if spec.nice and hasattr(os, "setpriority"):
+def _lower_priority(nice: int) -> None:
+    if nice and hasattr(os, "setpriority"):
         try:  # Linux: a thread is a task with its own nice value; a process, likewise
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), spec.nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except OSError:
             pass
-    if spec.nice >= 19 and hasattr(os, "sched_setscheduler") and threading.current_thread() is threading.main_thread():
+    if nice >= 19 and hasattr(os, "sched_setscheduler") and threading.current_thread() is threading.main_thread():
         try:  # a worker process runs only on otherwise idle CPU: any training thread preempts it at once
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (OSError, AttributeError):
             pass
+
+
+def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
+    """Two stages, each in version order: the upload stage (this thread) encodes each queued
+    version and streams its parts and manifest to the store; the commit stage (a thread)
+    seals it and runs the joint commit on rank 0, or waits for the decision on other ranks.
+    So version k+1 is encoded and uploaded while k waits for receivers' acks. Every outcome is
+    reported: ("uploaded", v, stats), ("decided", v, stats) or ("error", v, message)."""
+    _lower_priority(spec.nice)
     torch.set_num_threads(1)
     store = open_store(spec.store_url)
-    results.put(("ready", True, None, None))
+    results.put(("ready", 0, None))
     sender = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
     sender.placement, sender.span, sender.level = spec.placement, spec.span, spec.level
+    digests = {spec.base_version: dict(spec.digests)}  # version -> this rank's slice digests
+    status = {spec.base_version: "commit"}  # version -> "commit" | "abort" (shared with the commit stage)
+    stage: queue.Queue = queue.Queue()
+
+    def commit_stage() -> None:
+        failed = False
+        while True:
+            item = stage.get()
+            if item is None:
+                return
+            if item[0] == "reset":
+                failed = False
+                continue
+            _, version, base, st = item
+            if failed:
+                results.put(("error", version, "an earlier version failed"))
+                continue
+            try:
+                t0 = time.perf_counter()
+                ok_base = status.get(base) == "commit"
+                if spec.rank == 0:
+                    if ok_base:
+                        rec = commit.seal_version(store, version, base, spec.world, timeout=spec.seal_timeout)
+                        st.seal_s = time.perf_counter() - t0
+                        d = commit.run_commit(store, rec, spec.policy)
+                    else:
+                        d = commit.decide(store, version, base, "abort", [], [], f"base version {base} was aborted")
+                else:
+                    d = commit.await_decision(store, version, spec.seal_timeout + spec.policy.timeout + 60)
+                st.commit_s = time.perf_counter() - t0 - st.seal_s
+                st.decision, st.reason = d["decision"], d["reason"]
+                status[version] = d["decision"]
+                if d["decision"] == "commit":  # older digests are no longer needed
+                    for v in [v for v in digests if v < version]:
+                        digests.pop(v, None)
+                else:
+                    digests.pop(version, None)
+                results.put(("decided", version, st))
+            except Exception as exc:  # noqa: BLE001 - reported to the trainer
+                failed = True
+                results.put(("error", version, f"{type(exc).__name__}: {exc}"))
+
+    committer = threading.Thread(target=commit_stage, name="nemo-dcr-commit", daemon=True)
+    committer.start()
     failed = False
     while True:
         item = jobs.get()
         if item is None:
+            stage.put(None)
+            committer.join()
             return
         if item[0] == "reset":
             failed = False
+            stage.put(("reset",))
             continue
         _, version, base, payload, st = item
         if failed:
-            results.put((version, False, "an earlier version failed", None))
+            results.put(("error", version, "an earlier version failed"))
             continue
         try:
             taken = _unpack(spec.placement, _from_shm(payload) if isinstance(payload[1], str) else payload)
-            t0 = time.perf_counter()
-            chunks, ss = sender.encode(taken)
-            t1 = time.perf_counter()
-            headers = [codec.parse_header(c, verify=False) for c in chunks]
-            commit.write_rank(store, version, spec.rank, spec.world, chunks, ss.params, ss.changed, headers)
-            t2 = time.perf_counter()
-            if spec.rank == 0:
-                commit.seal_version(store, version, base, spec.world, timeout=spec.seal_timeout)
-            st.seal_s = time.perf_counter() - t2
-            st.params, st.changed, st.bytes, st.chunks = ss.params, ss.changed, ss.bytes, ss.chunks
-            st.encode_s, st.upload_s = t1 - t0, t2 - t1
-            results.put((version, True, None, st))
+            if status.get(base) != "abort":  # a version on an aborted base is aborted unsent
+                t0 = time.perf_counter()
+                w = commit.RankWriter(store, version, base, spec.rank, spec.world, part_bytes=spec.part_bytes)
+                dig = dict(digests[base])
+                ss = sender.encode(taken, emit=w.add, digests=dig)[1]
+                t1 = time.perf_counter()
+                w.finish(ss.params, ss.changed, dig)
+                digests[version] = dig
+                st.params, st.changed, st.bytes, st.chunks = ss.params, ss.changed, ss.bytes, ss.chunks
+                st.encode_s, st.upload_s = t1 - t0, time.perf_counter() - t1
+            st.base = base
+            results.put(("uploaded", version, st))
+            stage.put(("v", version, base, st))
         except Exception as exc:  # noqa: BLE001 - reported to the trainer
             failed = True
-            results.put((version, False, f"{type(exc).__name__}: {exc}", None))
+            results.put(("error", version, f"{type(exc).__name__}: {exc}"))
 
 
 def _pack(index: dict[int, int], taken: list, shm: bool) -> tuple:
@@ -166,7 +230,8 @@ class Publisher:
     def __init__(self, model, *, family: Family, vocab_size: int, store, rank: int | None = None,
                  world: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
                  max_pending_bytes: int = 1 << 30, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
-                 seal_timeout: float = 600.0, base_version: int = 0, worker: str = "process", nice: int = 19):
+                 seal_timeout: float = 600.0, base_version: int = 0, worker: str = "process", nice: int = 19,
+                 policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20):
         import torch.distributed as dist
 
         self.store = open_store(store) if isinstance(store, str) else store
@@ -181,18 +246,21 @@ class Publisher:
                 dp_rank, dp_size = 0, 1
         self.placement = build_placement(model, family, vocab_size, dp_rank=dp_rank, dp_size=dp_size)
         self.sender = ShardSender(self.placement, span=span, level=level)
+        self.policy = policy or commit.CommitPolicy()
         self._index = {id(pm): i for i, pm in enumerate(self.placement.params)}
         self.max_pending = max_pending_bytes
-        self.last_version = base_version  # the version receivers hold before the next one
-        self._last_good = base_version
-        self._inflight: dict[int, tuple[list, int]] = {}  # version -> (taken deltas, bytes)
+        self.last_version = base_version  # the newest version queued (the base of the next one)
+        self.last_committed = base_version
+        self._inflight: dict[int, tuple[list, int]] = {}  # version -> (taken deltas, bytes): the undo log
         self._pending = 0
         self._error: str | None = None
         self._failed: set[int] = set()
-        self.history: list[PublishStats] = []
+        self.history: list[PublishStats] = []  # committed versions
+        self.aborted: list[PublishStats] = []
         light = Placement([replace(pm, param=None) for pm in self.placement.params], self.placement.canonical,
                           self.placement.dtype)
-        spec = _WorkerSpec(light, self.store.url, self.rank, self.world, span, level, seal_timeout, nice)
+        spec = _WorkerSpec(light, self.store.url, self.rank, self.world, span, level, seal_timeout, nice, self.policy,
+                           base_version, self.sender.digests(), part_bytes)
         self._process = worker == "process"
         if worker == "process":
             ctx = torch.multiprocessing.get_context("spawn")
@@ -220,8 +288,8 @@ class Publisher:
             raise ValueError(f"version {version} is not after {self.last_version}")
         t0 = time.perf_counter()
         taken = self.sender.take()
-        self.sender.commit()  # the baseline moves now; a failed upload undoes it (see _raise)
-        st = PublishStats(version=version, kernel_s=time.perf_counter() - t0)
+        self.sender.commit()  # the baseline moves now; the undo log below restores it on abort or failure
+        st = PublishStats(version=version, base=self.last_version, kernel_s=time.perf_counter() - t0)
         payload = _pack(self._index, taken, self._process)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
@@ -234,7 +302,7 @@ class Publisher:
         return st
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued version is uploaded (and sealed on rank 0)."""
+        """Wait until every queued version is decided (committed or aborted)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._failed) < len(self._inflight):
             if deadline is not None and time.monotonic() > deadline:
@@ -244,7 +312,7 @@ class Publisher:
 
     def close(self) -> None:
         """Flush, stop the worker and leave this rank's per-version figures in the store
-        (stats/rank-NNNNN.json: kernel, encode, upload and seal times, bytes, changes)."""
+        (stats/rank-NNNNN.json: kernel, encode, upload, seal and commit times, bytes, changes)."""
         import json
 
         try:
@@ -254,41 +322,57 @@ class Publisher:
             self._worker.join(timeout=30)
         self.store.put(f"stats/rank-{self.rank:05d}.json", json.dumps([asdict(h) for h in self.history]).encode())
 
+    def _undo_from(self, version: int) -> None:
+        """Restore the baselines to before `version`: undo it and every later in-flight one."""
+        for v in sorted((v for v in self._inflight if v >= version), reverse=True):
+            taken, size = self._inflight.pop(v)
+            self._pending -= size
+            self._failed.discard(v)
+            for pm, d in reversed(taken):
+                undo(self.sender.baselines[pm.name], d)
+
     def _drain(self, block: bool, timeout: float | None = None) -> None:
-        """Take the worker's reports (they come in version order): successes join the
-        history; failures are kept in flight until _raise undoes them."""
+        """Take the worker's reports (in version order per stage). A commit drops the
+        version's undo log; an abort restores the baselines to the last committed version
+        (the next version then carries the aborted changes too: XOR deltas compose); a
+        failure is kept until _raise."""
         while len(self._failed) < len(self._inflight):
             try:
-                version, ok, err, st = self._results.get(block=block, timeout=timeout)
+                kind, version, info = self._results.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
+            block = False
             if version not in self._inflight:
-                continue
-            if ok:
+                continue  # already undone (a later version of an aborted chain)
+            if kind == "decided" and info.decision == "commit":
                 _, size = self._inflight.pop(version)
                 self._pending -= size
-                self.history.append(st)
-                self._last_good = version
-            else:
+                self.history.append(info)
+                self.last_committed = version
+            elif kind == "decided":
+                self.aborted.append(info)
+                self._undo_from(version)
+                self.last_version = self.last_committed
+                if self.rank == 0:
+                    print(f"dcr: version {version} aborted ({info.reason}); baselines back at version "
+                          f"{self.last_committed}", flush=True)
+            elif kind == "error":
                 self._failed.add(version)
-                self._error = self._error or f"version {version}: {err}"
-            block = False
+                self._error = self._error or f"version {version}: {info}"
 
     def _raise(self) -> None:
         """After a failure: wait for every in-flight version's report (all later ones fail
-        too), undo their deltas newest first, so the baselines are back at the last published
+        too), undo their deltas newest first, so the baselines are back at the last committed
         version, and let the worker take jobs again."""
         if self._error is None:
             return
         while len(self._failed) < len(self._inflight):
             self._drain(block=True, timeout=1.0)
-        for v in sorted(self._inflight, reverse=True):
-            taken, _ = self._inflight.pop(v)
-            for pm, d in reversed(taken):
-                undo(self.sender.baselines[pm.name], d)
+        if self._inflight:
+            self._undo_from(min(self._inflight))
         self._failed.clear()
         self._pending = 0
         err, self._error = self._error, None
-        self.last_version = self._last_good
+        self.last_version = self.last_committed
         self._jobs.put(("reset",))
         raise RuntimeError(f"nemo-dcr publisher failed: {err}")

@@ -12,13 +12,14 @@ deltas are the undo log: `abort()` restores every baseline bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from nemo_dcr_callback import codec
-from nemo_dcr_callback.delta import Scratch, SparseDelta, take_delta, undo
+from nemo_dcr_callback import codec, digest
+from nemo_dcr_callback.delta import Scratch, SparseDelta, bits, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
 
@@ -70,8 +71,11 @@ class ShardSender:
             taken.append((pm, d))
         return taken
 
-    def encode(self, taken: list[tuple[ParamMap, SparseDelta]]) -> tuple[list[bytes], StepStats]:
-        """Projection and encoding (may run in a background thread): canonical chunks."""
+    def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
+               digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
+        """Projection and encoding (may run in a background thread): canonical chunks, each
+        passed to `emit` as soon as it is encoded (then not returned) or returned. `digests`
+        (canonical name -> this rank's slice digest) is moved forward by the changes."""
         chunks: list[bytes] = []
         st = StepStats()
         for pm, d in taken:
@@ -87,16 +91,23 @@ class ShardSender:
                 xor = torch.cat([d.xor[a:b] for a, b in pr.parts])
                 new = torch.cat([d.new[a:b] for a, b in pr.parts])
                 numel = self.placement.numel(pr.name)
+                if digests is not None:
+                    old = (bits(new) ^ bits(xor)).view(new.dtype)
+                    digests[pr.name] = digest.update(digests.get(pr.name, 0), pr.positions, old, new)
                 if pm.residual:
                     out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
                                               span=self.span, level=self.level)
                 else:
                     out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
                                               span=self.span, level=self.level)
-                chunks += out
+                st.chunks += len(out)
+                st.bytes += sum(map(len, out))
+                if emit is None:
+                    chunks += out
+                else:
+                    for c in out:
+                        emit(c)
                 st.per_tensor[pr.name] = st.per_tensor.get(pr.name, 0) + pos.numel()
-        st.chunks = len(chunks)
-        st.bytes = sum(map(len, chunks))
         return chunks, st
 
     def step(self) -> tuple[list[bytes], StepStats]:
@@ -115,6 +126,18 @@ class ShardSender:
             undo(self.baselines[name], d)
         self._undo.clear()
 
+    def digests(self) -> dict[str, int]:
+        """Additive digests (digest.py) of this rank's slice of every canonical tensor it
+        sends, at the current baselines, in canonical positions: slices of all ranks sum to
+        the tensor's digest. O(shard) once at start; versions update them from their changes."""
+        out: dict[str, int] = {}
+        for pm in self.active:
+            base = self.baselines[pm.name]
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                vals = torch.cat([base[a:b] for a, b in pr.parts])
+                out[pr.name] = (out.get(pr.name, 0) + digest.sum64(vals, pr.positions)) & digest.MASK
+        return out
+
     def coverage(self) -> dict[str, np.ndarray]:
         """Every canonical position this rank is responsible for (tests count them)."""
         out: dict[str, list[np.ndarray]] = {}
@@ -125,3 +148,48 @@ class ShardSender:
 
 
 __all__ = ["ShardSender", "StepStats"]
+
+
+class TensorSender:
+    """A sender for canonical tensors held whole (a Hugging Face state dict, a synthetic
+    policy): no placement, tensors split over `world` senders by name (round-robin). Used by
+    the link benchmark and tests; the training path is ShardSender + Publisher."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1):
+        self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
+        self.rank, self.world, self.span, self.level = rank, world, span, level
+        self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
+        self.digests = {n: digest.sum64(b) for n, b in self.baselines.items()}
+        self._scratch = Scratch()
+
+    def take(self) -> list[tuple[str, SparseDelta]]:
+        return [(n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True, scratch=self._scratch))
+                for n, t in self.tensors.items()]
+
+    def write(self, store, v: int, base: int, taken: list[tuple[str, SparseDelta]], part_bytes: int = 4 << 20):
+        """Encode and stream one version's chunks (parts uploaded as they fill), then the
+        manifest with the moved digests (kept, for the next version, only on commit)."""
+        from nemo_dcr_callback import commit
+
+        w = commit.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
+        dig = dict(self.digests)
+        params = changed = 0
+        for n, d in taken:
+            params += d.numel
+            changed += d.count
+            if d.count:
+                old = (bits(d.new) ^ bits(d.xor)).view(d.new.dtype)
+                dig[n] = digest.update(dig[n], d.positions.numpy().astype(np.int64), old, d.new)
+                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level):
+                    w.add(c)
+        m = w.finish(params, changed, dig)
+        self._pending = dig
+        return m
+
+    def commit(self) -> None:
+        self.digests = self._pending
+
+    def abort(self, taken: list[tuple[str, SparseDelta]]) -> None:
+        for n, d in reversed(taken):
+            undo(self.baselines[n], d)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import perturb, random_tensor
 
-from nemo_dcr_callback import codec, commit, delta
+from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
 from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.sender import TensorSender
 from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
 
 
@@ -24,16 +25,14 @@ def _model(seed=0):
 
 
 def _publish(store, v, base, old, new, world=2):
-    names = sorted(old)
+    """Two sender ranks (TensorSender: the real sender path, without Megatron), seal, commit."""
     for r in range(world):
-        chunks = []
-        for n in names[r::world]:
-            d = delta.take_delta(new[n], old[n].clone(), keep_new=True)
-            chunks += codec.encode_delta(n, d)
-        headers = [codec.parse_header(c) for c in chunks]
-        commit.write_rank(store, v, r, world, chunks, sum(old[n].numel() for n in names[r::world]),
-                          sum(h.count for h in headers), headers)
-    return commit.seal_version(store, v, base, world, timeout=5)
+        s = TensorSender(old, r, world)
+        for n in s.tensors:
+            s.tensors[n] = new[n]
+        s.write(store, v, base, s.take())
+    rec = commit.seal_version(store, v, base, world, timeout=5)
+    return commit.run_commit(store, rec, commit.CommitPolicy())
 
 
 def _chain(store, steps=3):
@@ -78,12 +77,12 @@ def test_follow_waits_for_versions(tmp_path):
 def test_corrupt_version_applies_nothing(tmp_path):
     store = FileStore(tmp_path)
     states = _chain(store, steps=1)
-    obj = tmp_path / commit.rank_object(1, 1)
+    obj = tmp_path / commit.part_key(1, 1, 0)
     raw = bytearray(obj.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     obj.write_bytes(bytes(raw))
     tensors = {k: t.clone() for k, t in states[0].items()}
-    with pytest.raises(codec.ChunkError, match="does not match its manifest"):
+    with pytest.raises(codec.ChunkError, match="checksum mismatch"):
         Follower(store, tensors).apply_version(1)
     assert all(torch.equal(bits(tensors[k]), bits(states[0][k])) for k in tensors)  # rank 0's chunks not applied
 
@@ -117,14 +116,63 @@ def test_store_put_if_absent_one_winner(tmp_path):
         store.get("missing")
     with pytest.raises(StoreError, match="unsupported"):
         open_store("ftp://host/x")
+    with pytest.raises(StoreError, match="s3://"):
+        open_store("s3:///nobucket")
+    with pytest.raises(StoreError, match="unsupported"):
+        open_store("ftp://host/x")
 
 
 def test_seal_waits_for_every_rank(tmp_path):
     store = FileStore(tmp_path)
-    commit.write_rank(store, 1, 0, 2, [], 0, 0, [])
+    commit.write_rank(store, 1, 0, 0, 2, [], 0, 0)
     with pytest.raises(TimeoutError, match="rank-00001"):
         commit.seal_version(store, 1, 0, 2, timeout=0.2)
-    commit.write_rank(store, 1, 1, 2, [], 0, 0, [])
+    commit.write_rank(store, 1, 0, 1, 2, [], 0, 0)
     rec = commit.seal_version(store, 1, 0, 2, timeout=1)
     assert rec["ranks"] == [commit.rank_manifest(1, 0), commit.rank_manifest(1, 1)]
     assert json.loads(store.get(commit.version_record(1)))["base"] == 0
+
+
+def test_part_truncated_or_swapped_refused(tmp_path):
+    """A part cut short, or replaced by another valid part, never reaches the weights."""
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=1)
+    p0, p1 = tmp_path / commit.part_key(1, 0, 0), tmp_path / commit.part_key(1, 1, 0)
+    good0 = p0.read_bytes()
+    p0.write_bytes(good0[:-5])
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    with pytest.raises(codec.ChunkError, match="truncated"):
+        Follower(store, tensors).apply_version(1)
+    p0.write_bytes(p1.read_bytes())  # well-formed chunks, wrong part
+    with pytest.raises(codec.ChunkError, match="do not match the manifest"):
+        Follower(store, tensors).apply_version(1)
+    assert all(torch.equal(bits(tensors[k]), bits(states[0][k])) for k in tensors)
+    p0.write_bytes(good0)
+    Follower(store, tensors).apply_version(1)
+    assert all(torch.equal(bits(tensors[k]), bits(states[1][k])) for k in tensors)
+
+
+def test_wrong_baseline_detected_by_digest(tmp_path):
+    """A receiver whose bits differ from the version it claims to hold is refused before any
+    apply (the version record's additive digests), naming the tensor."""
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=2)
+    tensors = {k: t.clone() for k, t in states[1].items()}
+    tensors["layer.2.w"].view(-1)[7] += 1
+    with pytest.raises(codec.ChunkError, match="layer.2.w"):
+        Follower(store, tensors, version=1)
+    ok = {k: t.clone() for k, t in states[1].items()}
+    f = Follower(store, ok, version=1)
+    a = f.apply_version(2)
+    assert a.digest_checked and all(torch.equal(bits(ok[k]), bits(states[2][k])) for k in ok)
+
+
+def test_record_digests_are_whole_tensor_digests(tmp_path):
+    """The per-rank slice digests sum to the digest of each whole tensor (the oracle: the
+    digest computed from the new tensors directly)."""
+    from nemo_dcr_callback import digest
+
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=2)
+    rec = commit.read_record(store, 2)
+    assert rec["digests"] == {k: digest.hexd(digest.sum64(t)) for k, t in sorted(states[2].items())}

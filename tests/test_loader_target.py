@@ -66,9 +66,10 @@ def _publish(store, v, old, new):
         else:
             chunks += codec.encode_delta(n, d)
     headers = [codec.parse_header(c) for c in chunks]
-    commit.write_rank(store, v, 0, 1, chunks, sum(t.numel() for t in old.values()), sum(h.count for h in headers),
-                      headers)
-    commit.seal_version(store, v, v - 1, 1, timeout=5)
+    commit.write_rank(store, v, v - 1, 0, 1, chunks, sum(t.numel() for t in old.values()),
+                      sum(h.count for h in headers))
+    rec = commit.seal_version(store, v, v - 1, 1, timeout=5)
+    commit.run_commit(store, rec, commit.CommitPolicy())
 
 
 def _states(n=3):

@@ -710,3 +710,42 @@ int64_t dcr_gaps_decode(const uint8_t* in, int64_t len, int mode, int64_t count,
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------- additive digest
+// sum over elements of mix(p * K ^ v) mod 2^64 (v: the element's bits, p: its position, either
+// base + i or pos[i]). Additive, so per-rank slices sum to the tensor's digest and a version's
+// digest updates from its changes alone (docs/PROTOCOL.md).
+static inline uint64_t dcr_mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <class T>
+static uint64_t sum64_t(const T* v, const int64_t* pos, int64_t base, int64_t lo, int64_t hi) {
+  uint64_t acc = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    const uint64_t p = pos ? static_cast<uint64_t>(pos[i]) : static_cast<uint64_t>(base + i);
+    acc += dcr_mix64((p * 0xD6E8FEB86659FD93ull) ^ static_cast<uint64_t>(v[i]));
+  }
+  return acc;
+}
+
+extern "C" uint64_t dcr_sum64(const void* vals, int width, const int64_t* pos, int64_t base, int64_t n,
+                              int nthreads) {
+  if (n < (1 << 20)) nthreads = 1;
+  std::vector<uint64_t> part(std::max(nthreads, 1), 0);
+  parallel_for(nthreads, [&](int t) {
+    const int64_t lo = n * t / nthreads, hi = n * (t + 1) / nthreads;
+    switch (width) {
+      case 1: part[t] = sum64_t(static_cast<const uint8_t*>(vals), pos, base, lo, hi); break;
+      case 2: part[t] = sum64_t(static_cast<const uint16_t*>(vals), pos, base, lo, hi); break;
+      case 4: part[t] = sum64_t(static_cast<const uint32_t*>(vals), pos, base, lo, hi); break;
+      default: part[t] = sum64_t(static_cast<const uint64_t*>(vals), pos, base, lo, hi); break;
+    }
+  });
+  uint64_t acc = 0;
+  for (uint64_t x : part) acc += x;
+  return acc;
+}

@@ -1,16 +1,25 @@
-"""Following a store: fetch each sealed version whose base is the version held, verify every
-chunk, then apply them all to the target (nothing is applied from a version that fails)."""
+"""Following a store: the receiver's side of the commit protocol (docs/PROTOCOL.md).
+
+For the next version whose base is the version held, the follower streams its parts as the
+senders upload them (decoding while later parts are still in flight), checks every chunk's
+checksum, every part against its rank's manifest and every chunk against the target, acks,
+waits for the joint commit, and only then applies; after applying it checks the tensors'
+additive digests against the version record. Nothing from a version that fails any check
+is applied; an aborted version is dropped. A receiver that is behind chains committed
+deltas; one with nothing, or too far behind, starts from a keyframe.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 import xxhash
 
-from nemo_dcr_callback import codec, commit
+from nemo_dcr_callback import codec, commit, digest
 
 
 @dataclass
@@ -20,82 +29,210 @@ class Applied:
     chunks: int
     changed: int
     bytes: int
-    fetch_s: float
+    fetch_s: float  # from the first part seen to every chunk verified and decoded
     apply_s: float
+    wait_s: float = 0.0  # ack -> decision
+    digest_checked: bool = False
 
 
-def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
-    """The record and every chunk of version v, each checked against its manifest."""
-    rec = commit.read_record(store, v)
-    if rec is None:
-        raise KeyError(f"version {v} is not sealed")
-    chunks: list[bytes] = []
-    for key in rec["ranks"]:
-        m = json.loads(store.get(key))
-        if m["version"] != v:
-            raise codec.ChunkError(f"{key}: manifest is for version {m['version']}, not {v}")
-        blob = store.get(m["object"]) if m["chunks"] else b""
-        if len(blob) != m["bytes"]:
-            raise codec.ChunkError(f"{m['object']}: {len(blob)} bytes, manifest says {m['bytes']} (truncated)")
-        for ref in m["chunks"]:
-            c = blob[ref["offset"]:ref["offset"] + ref["length"]]
-            if xxhash.xxh3_64_hexdigest(c) != ref["checksum"]:
-                raise codec.ChunkError(f"{m['object']}: chunk at {ref['offset']} does not match its manifest")
-            chunks.append(c)
-    return rec, chunks
+class _Parts:
+    """Verified, decoded parts of one version, fetched as they appear."""
+
+    def __init__(self):
+        self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
+        self.t0: float | None = None
 
 
 class Follower:
     """Applies versions, in chain order, to a target: canonical tensors (name -> tensor
     sharing storage with the model, e.g. a Hugging Face model's state_dict()) or a target
-    object from receiver.targets (a model updated through its own loader)."""
+    object from receiver.targets (a model updated through its own loader, a checkpoint dir).
 
-    def __init__(self, store, target, version: int = 0):
+    receiver_id: if set, the follower registers under it, acks versions and takes part in
+    the joint commit; without one it only applies committed versions."""
+
+    def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
+                 decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
         self.target = StateDictTarget(target) if isinstance(target, dict) else target
         self.tensors = target if isinstance(target, dict) else None
         self.version = version
+        self.receiver_id = receiver_id
+        self.decision_timeout = decision_timeout
+        self.poll_s = poll_s
+        self._parts: dict[int, _Parts] = {}
+        self.digests: dict[str, int] | None = None
+        if check_digests and hasattr(self.target, "flat"):
+            self.digests = {n: digest.sum64(self.target.flat(n)) for n in self.target.names()}
+            self._check_held()
+        if receiver_id:
+            commit.register(store, receiver_id, version)
 
-    def apply_version(self, v: int) -> Applied:
-        t0 = time.perf_counter()
-        rec, chunks = fetch_version(self.store, v)
+    # ------------------------------------------------------------ checks
+    def _check_held(self) -> None:
+        """The target must hold exactly the bits of the version it claims (wrong model or
+        wrong baseline are refused here, before anything is applied)."""
+        ref = None
+        rec = commit.read_record(self.store, self.version) if self.version else None
+        if rec is not None:
+            ref = rec["digests"]
+        else:
+            kf = commit.read_keyframe(self.store, self.version)
+            ref = kf["digests"] if kf else None
+        if ref is None or self.digests is None:
+            return
+        missing = sorted(set(ref) - set(self.digests))
+        if missing:
+            raise codec.ChunkError(f"receiver has no tensor {missing[0]!r} of version {self.version} (wrong model?)")
+        bad = [n for n, d in ref.items() if int(d, 16) != self.digests[n]]
+        if bad:
+            raise codec.ChunkError(f"receiver does not hold version {self.version}: tensor {bad[0]!r} differs "
+                                   f"({len(bad)} tensors; wrong baseline or wrong model)")
+
+    # ------------------------------------------------------------ fetching
+    def _fetch_parts(self, v: int, keys: list[str]) -> None:
+        """Fetch, verify (chunk checksums, target) and decode parts not yet held."""
+        st = self._parts.setdefault(v, _Parts())
+        todo = [k for k in keys if k not in st.parts]
+        if not todo:
+            return
+        if st.t0 is None:
+            st.t0 = time.perf_counter()
+
+        def one(key: str):
+            blob = self.store.get(key)
+            decoded = []
+            for c in codec.split_chunks(blob):
+                h = codec.parse_header(c)
+                self.target.check(h)
+                decoded.append(codec.decode_chunk(c, h))
+            return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
+
+        pool = getattr(self.store, "executor", None)
+        results = list(pool().map(one, todo)) if pool is not None and len(todo) > 1 else [one(k) for k in todo]
+        for key, n, h, dec in results:
+            st.parts[key] = (n, h, dec)
+
+    def prefetch(self, v: int) -> None:
+        """Fetch whatever parts of v exist now (the senders may still be writing it)."""
+        keys = [k for k in self.store.list(commit.vdir(v)) if k.endswith(".dcr")]
+        self._fetch_parts(v, keys)
+
+    def stage(self, v: int, rec: commit.VersionRecord) -> list[codec.DecodedChunk]:
+        """Every chunk of sealed version v, verified against the manifests, decoded."""
         if rec["base"] != self.version:
             raise codec.ChunkError(f"version {v} builds on {rec['base']}, this receiver holds {self.version}")
-        decoded = []
-        for c in chunks:  # verify and decode everything before touching a weight
-            h = codec.parse_header(c)
-            self.target.check(h)
-            decoded.append(codec.decode_chunk(c, h))
+        refs = []
+        for key in rec["ranks"]:
+            m = commit._get_json(self.store, key)
+            if m is None:
+                raise codec.ChunkError(f"{key}: manifest missing")
+            if m["version"] != v or m["base"] != rec["base"]:
+                raise codec.ChunkError(f"{key}: manifest is for version {m['version']} on {m['base']}, not {v}")
+            refs += m["parts"]
+        self._fetch_parts(v, [p["key"] for p in refs])
+        st = self._parts[v] if refs else _Parts()
+        out = []
+        for p in refs:
+            n, h, dec = st.parts[p["key"]]
+            if n != p["bytes"] or h != p["checksum"] or len(dec) != p["chunks"]:
+                self._parts.pop(v, None)  # refetch next time
+                raise codec.ChunkError(f"{p['key']}: {n} bytes / checksum {h} do not match the manifest "
+                                       f"({p['bytes']} bytes / {p['checksum']}): corrupt or truncated")
+            out += dec
+        return out
+
+    # ------------------------------------------------------------ applying
+    def _read(self, decoded: list[codec.DecodedChunk]) -> list[torch.Tensor]:
+        return [self.target.flat(d.header.name)[d.positions.long()].clone() for d in decoded]
+
+    def apply_version(self, v: int, rec: commit.VersionRecord | None = None, wait_decision: bool = True) -> Applied:
+        rec = rec or commit.read_record(self.store, v)
+        if rec is None:
+            raise KeyError(f"version {v} is not sealed")
+        t0 = time.perf_counter()
+        try:
+            decoded = self.stage(v, rec)
+        except codec.ChunkError as exc:
+            if self.receiver_id:
+                commit.write_ack(self.store, v, self.receiver_id, self.version, ok=False, error=str(exc))
+            raise
+        t_staged = time.perf_counter()
+        fetch_s = t_staged - (self._parts[v].t0 if v in self._parts and self._parts[v].t0 else t0)
+        wait_s = 0.0
+        if self.receiver_id:
+            commit.write_ack(self.store, v, self.receiver_id, self.version)
+        if wait_decision:
+            d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s)
+            wait_s = time.perf_counter() - t_staged
+            if d["decision"] != "commit":
+                self._parts.pop(v, None)
+                raise _Aborted(v, d["reason"])
         t1 = time.perf_counter()
+        old = self._read(decoded) if self.digests is not None else None
         if hasattr(self.target, "version"):  # targets that journal (checkpoint directories)
             self.target.apply(decoded, version=v)
         else:
             self.target.apply(decoded)
+        checked = False
+        if old is not None:
+            checked = self._update_digests(v, rec, decoded, old)
         self.version = v
-        return Applied(v, rec["base"], len(chunks), sum(d.header.count for d in decoded),
-                       sum(map(len, chunks)), t1 - t0, time.perf_counter() - t1)
+        self._parts.pop(v, None)
+        if self.receiver_id:
+            commit.register(self.store, self.receiver_id, v)
+        return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
+                       rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked)
+
+    def _update_digests(self, v, rec, decoded, old) -> bool:
+        dg = dict(self.digests)
+        for d, o in zip(decoded, old, strict=True):
+            new = self.target.flat(d.header.name)[d.positions.long()]
+            pos = d.positions.numpy().astype(np.int64)
+            dg[d.header.name] = digest.update(dg[d.header.name], pos, o, new)
+        bad = [n for n, x in rec["digests"].items() if n in dg and int(x, 16) != dg[n]]
+        if bad:
+            raise codec.ChunkError(f"version {v}: after applying, tensor {bad[0]!r} does not match the version's "
+                                   f"digest ({len(bad)} tensors): the receiver did not hold version {rec['base']}")
+        self.digests = dg
+        return bool(rec["digests"])
 
     def poll(self, on_apply: Callable[[Applied], None] | None = None) -> list[Applied]:
-        """Apply every sealed version that follows the one held, in order; on_apply runs
-        right after each one (before the next is applied)."""
+        """Apply every version that follows the one held, in order (streaming the newest one
+        while it is written); on_apply runs right after each."""
         out = []
         while True:
-            nxt = [v for v in commit.list_versions(self.store) if v > self.version]
-            for v in nxt:
+            progressed = streamed = False
+            for v in [v for v in commit.list_versions(self.store) if v > self.version]:
+                d = commit.read_decision(self.store, v)
+                if d is not None and d["decision"] != "commit":
+                    self._parts.pop(v, None)
+                    continue
                 rec = commit.read_record(self.store, v)
-                if rec and rec["base"] == self.version:
-                    out.append(self.apply_version(v))
-                    if on_apply:
-                        on_apply(out[-1])
-                    break
-            else:
+                if rec is None:
+                    if d is None and not streamed:
+                        self.prefetch(v)  # still being written: stream what is there
+                        streamed = True
+                    continue
+                if rec["base"] != self.version:
+                    continue
+                try:
+                    out.append(self.apply_version(v, rec))
+                except _Aborted:
+                    continue
+                if on_apply:
+                    on_apply(out[-1])
+                progressed = True
+                break
+            if not progressed:
                 return out
 
-    def follow(self, until: int | None = None, timeout: float = 600.0, poll_s: float = 0.05,
+    def follow(self, until: int | None = None, timeout: float = 600.0, poll_s: float | None = None,
                on_apply: Callable[[Applied], None] | None = None) -> None:
-        """Keep applying versions as they are sealed, until version `until` (or timeout)."""
+        """Keep applying versions as they are committed, until version `until` (or timeout)."""
+        poll_s = self.poll_s if poll_s is None else poll_s
         deadline = time.monotonic() + timeout
         while until is None or self.version < until:
             if self.poll(on_apply):
@@ -105,3 +242,34 @@ class Follower:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
             time.sleep(poll_s)
+
+
+class _Aborted(Exception):
+    def __init__(self, v: int, reason: str):
+        super().__init__(f"version {v} aborted: {reason}")
+
+
+def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
+    """The record and every chunk of sealed version v, each part checked against its manifest
+    (for tools that want raw chunks: `nemo-dcr` stats, tests)."""
+    rec = commit.read_record(store, v)
+    if rec is None:
+        raise KeyError(f"version {v} is not sealed")
+    chunks: list[bytes] = []
+    for key in rec["ranks"]:
+        m = commit._get_json(store, key)
+        for p in m["parts"]:
+            blob = store.get(p["key"])
+            if len(blob) != p["bytes"] or xxhash.xxh3_64_hexdigest(blob) != p["checksum"]:
+                raise codec.ChunkError(f"{p['key']}: does not match its manifest (corrupt or truncated)")
+            chunks += [bytes(c) for c in codec.split_chunks(blob)]
+    return rec, chunks
+
+
+def latest_keyframe(store) -> int | None:
+    """The newest keyframe of a committed version (or version 0)."""
+    for k in reversed(commit.keyframes(store)):
+        d = commit.read_decision(store, k)
+        if k == 0 or (d and d["decision"] == "commit"):
+            return k
+    return None

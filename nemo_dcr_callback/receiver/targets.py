@@ -41,6 +41,12 @@ class StateDictTarget:
         for d in decoded:
             codec.apply_decoded(d, self.tensors[d.header.name].view(-1))
 
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def flat(self, name: str) -> torch.Tensor:
+        return self.tensors[name].view(-1)
+
 
 def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
     """Apply chunks to canonical tensors: every chunk is checked and decoded before any is
@@ -227,6 +233,12 @@ class CheckpointDirTarget:
                 self._replay(self.meta / st["pending"])
                 self.version = st["pending_version"]
                 self._write_state(self.version, None, None)
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def flat(self, name: str) -> torch.Tensor:
+        return self.tensor(name).view(-1)
 
     def tensor(self, name: str) -> torch.Tensor:
         sf = self.where[name]

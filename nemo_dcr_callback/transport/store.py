@@ -1,4 +1,4 @@
-"""Object stores behind one small interface: file:// now (the embedded default), s3:// next.
+"""Object stores behind one small interface: file:// (the embedded default) and s3:// (transport.s3).
 
 Keys are '/'-separated relative paths. `put` is atomic (a reader sees the whole object or
 none): write to a temporary name in the same directory, fsync, rename. `put_if_absent` is
@@ -72,6 +72,21 @@ class FileStore:
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        for k, d in items:
+            self.put(k, d, durable=False)
+
+    def delete(self, keys: list[str]) -> None:
+        for k in keys:
+            self._path(k).unlink(missing_ok=True)
+
+    def children(self, prefix: str) -> list[str]:
+        """Names directly under prefix (one level, like an S3 listing with a delimiter)."""
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if not p.name.endswith(".part"))
+
     def list(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         if not base.is_dir():
@@ -81,10 +96,14 @@ class FileStore:
 
 
 def open_store(url: str):
-    """A store for a URL: file:///abs/path, file://rel/path or a plain path."""
+    """A store for a URL: file:///abs/path, file://rel/path, a plain path, or
+    s3://bucket/prefix[?endpoint=http://host:port&region=...]."""
     u = urlparse(url)
     if u.scheme in ("", "file"):
         path = (u.netloc + u.path) if u.scheme == "file" else url
         return FileStore(path)
-    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (file:// is built in; s3:// "
-                     "arrives with the S3 transport)")
+    if u.scheme == "s3":
+        from nemo_dcr_callback.transport.s3 import S3Store
+
+        return S3Store(url)
+    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (use file:// or s3://)")

@@ -1,0 +1,227 @@
+"""S3 object storage (AWS, or any server that speaks the API: SeaweedFS in the tests).
+
+URL: ``s3://bucket/prefix``, with optional query parameters ``endpoint=http://host:port`` and
+``region=...``. Credentials come from the standard AWS chain (environment, shared files,
+instance roles) and are never logged; ``AWS_ENDPOINT_URL`` works as usual.
+
+What the commit protocol needs from S3, and how this store gets it:
+- atomic objects: S3 never shows a partial PUT (or an incomplete multipart upload);
+- corrupted bodies refused: every PUT carries a CRC32 checksum the server verifies;
+- exactly one writer wins: ``put_if_absent`` is a PUT with ``If-None-Match: *``;
+- transient failures retried: botocore's standard retry mode (backoff on 5xx, throttling and
+  connection errors), with bounded connect/read timeouts so no call hangs for ever;
+- large objects in parts: multipart above ``multipart_bytes``, parts uploaded concurrently.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from urllib.parse import parse_qs, urlparse
+
+from nemo_dcr_callback.transport.store import StoreError
+
+
+def _botocore():
+    try:
+        import boto3
+        import botocore
+        from botocore.config import Config
+    except ImportError as e:  # pragma: no cover - boto3 is a dependency
+        raise StoreError("s3:// stores need boto3 (pip install boto3)") from e
+    return boto3, botocore, Config
+
+
+class S3Store:
+    """One bucket and key prefix. Thread-safe (boto3 clients are); `put_many` uploads concurrently."""
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
+                 access_key: str | None = None, secret_key: str | None = None,
+                 max_attempts: int = 5, connect_timeout: float = 5.0, read_timeout: float = 60.0,
+                 multipart_bytes: int = 64 << 20, concurrency: int = 8):
+        boto3, botocore, Config = _botocore()
+        u = urlparse(url)
+        if u.scheme != "s3" or not u.netloc:
+            raise StoreError(f"not an s3://bucket/prefix URL: {url!r}")
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        self.bucket = u.netloc
+        self.prefix = u.path.strip("/")
+        self.endpoint_url = endpoint_url or q.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") \
+            or os.environ.get("AWS_ENDPOINT_URL")
+        region = region or q.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
+            or "us-east-1"
+        self.url = f"s3://{self.bucket}/{self.prefix}" + (f"?endpoint={self.endpoint_url}" if self.endpoint_url else "")
+        self.multipart_bytes = multipart_bytes
+        self.concurrency = concurrency
+        self._errors = botocore.exceptions
+        cfg = Config(retries={"max_attempts": max_attempts, "mode": "standard"}, connect_timeout=connect_timeout,
+                     read_timeout=read_timeout, max_pool_connections=max(10, 2 * concurrency),
+                     request_checksum_calculation="when_supported", response_checksum_validation="when_supported",
+                     s3={"addressing_style": "path"})
+        # Explicit keys (tests, an embedded server) or, when None, the standard AWS chain.
+        session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key)
+        self.client = session.client("s3", endpoint_url=self.endpoint_url, region_name=region, config=cfg)
+        self._explicit = (access_key, secret_key) if access_key else None
+        self._pool = None
+        self._pool_lock = threading.Lock()
+
+    # -------------------------------------------------------------- helpers
+    def _key(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad key {key!r}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _fail(self, op: str, key: str, exc: Exception) -> StoreError:
+        """A clear error naming what went wrong (never the credentials)."""
+        e = self._errors
+        where = f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
+        ep = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        if isinstance(exc, e.NoCredentialsError):
+            return StoreError(f"{op} {where}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                              "AWS_PROFILE or an instance role)")
+        if isinstance(exc, (e.EndpointConnectionError, e.ConnectTimeoutError, e.ReadTimeoutError,
+                            e.ConnectionClosedError)):
+            return StoreError(f"{op} {where}: S3 endpoint{ep} unreachable ({type(exc).__name__})")
+        if isinstance(exc, e.ClientError):
+            code = exc.response.get("Error", {}).get("Code", "?")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+                        "ExpiredToken"):
+                return StoreError(f"{op} {where}: S3{ep} rejected the credentials ({code}, HTTP {status})")
+            if code == "NoSuchBucket":
+                return StoreError(f"{op} {where}: bucket {self.bucket!r} does not exist{ep}")
+            return StoreError(f"{op} {where}: S3{ep} answered {code} (HTTP {status})")
+        return StoreError(f"{op} {where}: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _code(exc: Exception) -> str:
+        return getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+
+    # -------------------------------------------------------------- interface
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (tests and `nemo-dcr s3-server`)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except self._errors.ClientError as exc:
+            if self._code(exc) not in ("404", "NoSuchBucket", "NotFound"):
+                raise self._fail("head bucket", "", exc) from None
+            try:
+                self.client.create_bucket(Bucket=self.bucket)
+            except self._errors.ClientError as exc2:
+                if self._code(exc2) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise self._fail("create bucket", "", exc2) from None
+        except self._errors.BotoCoreError as exc:
+            raise self._fail("head bucket", "", exc) from None
+
+    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+        """Atomic, checksummed put (S3 objects are durable once acknowledged)."""
+        try:
+            if len(data) > self.multipart_bytes:
+                from boto3.s3.transfer import TransferConfig
+
+                tc = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=self.multipart_bytes,
+                                    max_concurrency=self.concurrency, use_threads=True)
+                self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=tc,
+                                           ExtraArgs={"ChecksumAlgorithm": "CRC32"})
+            else:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="CRC32")
+        except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
+            raise self._fail("put", key, exc) from None
+        except Exception as exc:  # s3transfer wraps failures of multipart uploads
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, (self._errors.ClientError, self._errors.BotoCoreError)):
+                raise self._fail("put", key, cause) from None
+            raise
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Upload several objects concurrently; the first failure is raised after all finish."""
+        if len(items) <= 1:
+            for k, d in items:
+                self.put(k, d)
+            return
+        futs = [self.executor().submit(self.put, k, d) for k, d in items]
+        errs = [f.exception() for f in futs]
+        for e in errs:
+            if e is not None:
+                raise e
+
+    def executor(self):
+        """A shared thread pool for concurrent requests."""
+        with self._pool_lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="nemo-dcr-s3")
+            return self._pool
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """PUT with If-None-Match: * — True if this call created the object, False if it existed."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="CRC32",
+                                   IfNoneMatch="*")
+            return True
+        except self._errors.ClientError as exc:
+            if self._code(exc) in ("PreconditionFailed", "ConditionalRequestConflict") or \
+                    exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return False
+            raise self._fail("conditional put", key, exc) from None
+        except self._errors.BotoCoreError as exc:
+            raise self._fail("conditional put", key, exc) from None
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self._errors.ClientError as exc:
+            if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
+                raise KeyError(key) from None
+            raise self._fail("get", key, exc) from None
+        except self._errors.BotoCoreError as exc:
+            raise self._fail("get", key, exc) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except self._errors.ClientError as exc:
+            if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise self._fail("head", key, exc) from None
+        except self._errors.BotoCoreError as exc:
+            raise self._fail("head", key, exc) from None
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        out: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                out += [o["Key"][cut:] for o in page.get("Contents", [])]
+        except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
+            raise self._fail("list", prefix, exc) from None
+        return sorted(out)
+
+    def children(self, prefix: str) -> list[str]:
+        """Names directly under prefix (a listing with Delimiter='/')."""
+        base = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        out: set[str] = set()
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
+                                                                              Delimiter="/"):
+                out.update(c["Prefix"][len(base):].rstrip("/") for c in page.get("CommonPrefixes", []))
+                out.update(o["Key"][len(base):] for o in page.get("Contents", []))
+        except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
+            raise self._fail("list", prefix, exc) from None
+        return sorted(out)
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects (missing ones are fine), 1000 per request."""
+        try:
+            for i in range(0, len(keys), 1000):
+                objs = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
+                r = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs, "Quiet": True})
+                if r.get("Errors"):
+                    e = r["Errors"][0]
+                    raise StoreError(f"delete s3://{self.bucket}/{e.get('Key')}: {e.get('Code')} {e.get('Message')}")
+        except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
+            raise self._fail("delete", keys[0] if keys else "", exc) from None
