@@ -417,9 +417,8 @@ def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
     newest_decided = max((v for v in vs if decisions[v]), default=-1)
     doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
                        or (decisions[v] is None and v < newest_decided) or (v in committed and v <= floor)]
-    keys = [k for v in doomed_versions for k in store.list(vdir(v))]
-    keys += [k for kf in kfs if kf < newest_kf for k in store.list(keyframe_dir(kf))]
-    keys += [k for v in doomed_versions for k in store.list(f"verify/{v:010d}")]
-    if keys and not dry_run:
-        store.delete(keys)
-    return keys
+    prefixes = [vdir(v) for v in doomed_versions] + [f"verify/{v:010d}" for v in doomed_versions]
+    prefixes += [keyframe_dir(kf) for kf in kfs if kf < newest_kf]
+    if dry_run:
+        return [k for p in prefixes for k in store.list(p)]
+    return [k for p in prefixes for k in store.delete_prefix(p)]

@@ -167,7 +167,8 @@ class TensorSender:
         return [(n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True, scratch=self._scratch))
                 for n, t in self.tensors.items()]
 
-    def write(self, store, v: int, base: int, taken: list[tuple[str, SparseDelta]], part_bytes: int = 4 << 20):
+    def write(self, store, v: int, base: int, taken: list[tuple[str, SparseDelta]], part_bytes: int = 4 << 20,
+              after_chunk: Callable[[], None] | None = None):
         """Encode and stream one version's chunks (parts uploaded as they fill), then the
         manifest with the moved digests (kept, for the next version, only on commit)."""
         from nemo_dcr_callback import commit
@@ -183,6 +184,8 @@ class TensorSender:
                 dig[n] = digest.update(dig[n], d.positions.numpy().astype(np.int64), old, d.new)
                 for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level):
                     w.add(c)
+                    if after_chunk is not None:
+                        after_chunk()
         m = w.finish(params, changed, dig)
         self._pending = dig
         return m

@@ -201,6 +201,22 @@ class S3Store:
             raise self._fail("list", prefix, exc) from None
         return sorted(out)
 
+    def delete_prefix(self, prefix: str) -> list[str]:
+        """Delete every object under prefix and the folder entries a filer-backed server
+        (SeaweedFS) keeps for them, deepest first. Returns the deleted object keys."""
+        keys = self.list(prefix)
+        self.delete(keys)
+        dirs = {prefix.rstrip("/")}
+        for k in keys:
+            parts = k.split("/")[:-1]
+            dirs.update("/".join(parts[:i]) for i in range(len(prefix.rstrip("/").split("/")), len(parts) + 1))
+        for d in sorted(dirs, key=lambda x: -x.count("/")):
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(d) + "/")
+            except (self._errors.ClientError, self._errors.BotoCoreError):
+                pass  # plain S3 has no folder entries
+        return keys
+
     def children(self, prefix: str) -> list[str]:
         """Names directly under prefix (a listing with Delimiter='/')."""
         base = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")

@@ -80,6 +80,16 @@ class FileStore:
         for k in keys:
             self._path(k).unlink(missing_ok=True)
 
+    def delete_prefix(self, prefix: str) -> list[str]:
+        """Delete every object under prefix, and the emptied directories."""
+        import shutil
+
+        keys = self.list(prefix)
+        p = self._path(prefix.rstrip("/"))
+        if p.is_dir():
+            shutil.rmtree(p)
+        return keys
+
     def children(self, prefix: str) -> list[str]:
         """Names directly under prefix (one level, like an S3 listing with a delimiter)."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root

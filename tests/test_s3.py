@@ -1,0 +1,272 @@
+"""The S3 transport and the commit protocol against a real S3 server (SeaweedFS, started on
+loopback by the `seaweed` fixture, with credentials it checks). Senders are the real sender
+path over canonical tensors (TensorSender) or real torchrun training (the Publisher); the
+oracle is always the new tensors themselves or the dense export."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import perturb, random_tensor
+
+from nemo_dcr_callback import commit
+from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.receiver.follow import latest_keyframe
+from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.transport.s3 import S3Store
+from nemo_dcr_callback.transport.store import StoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory):
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    with SeaweedS3(tmp_path_factory.mktemp("seaweed")) as s3:
+        yield s3
+
+
+@pytest.fixture
+def store(seaweed, request):
+    return seaweed.store(request.node.name.replace("[", "-").replace("]", ""))
+
+
+def _model(seed=0, n=4):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}.w": random_tensor((96, 65), torch.bfloat16, g, specials=False) for i in range(n)}
+
+
+def _states(steps, seed=1):
+    states = [_model()]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        states.append({k: perturb(t, 0.03, g) for k, t in states[-1].items()})
+    return states
+
+
+def _same(a, b):
+    return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
+
+
+def _write(store, v, base, old, new, world=2, part_bytes=4 << 20):
+    for r in range(world):
+        s = TensorSender(old, r, world)
+        for n in s.tensors:
+            s.tensors[n] = new[n]
+        s.write(store, v, base, s.take(), part_bytes=part_bytes)
+
+
+def _publish(store, v, base, old, new, world=2, policy=None):
+    _write(store, v, base, old, new, world)
+    rec = commit.seal_version(store, v, base, world, timeout=10)
+    return commit.run_commit(store, rec, policy or commit.CommitPolicy())
+
+
+def test_store_basics_and_conditional_write(store):
+    store.put("a/x", b"hello")
+    assert store.get("a/x") == b"hello" and store.exists("a/x") and not store.exists("a/y")
+    with pytest.raises(KeyError):
+        store.get("a/y")
+    big = os.urandom(3 << 20) * 25  # 75 MB: a multipart upload
+    store.put("a/big", big)
+    assert store.get("a/big") == big
+    assert store.list("a") == ["a/big", "a/x"] and store.children("") == ["a"]
+    wins = []
+    ths = [threading.Thread(target=lambda i=i: wins.append(store.put_if_absent("a/rec", str(i).encode())))
+           for i in range(6)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert wins.count(True) == 1  # If-None-Match: exactly one writer wins
+    store.delete(["a/big", "a/x"])
+    assert store.list("a") == ["a/rec"]
+
+
+def test_corrupted_body_refused_by_server(seaweed, store):
+    """The server checks the checksum we send: a body that does not match is rejected."""
+    import base64
+    import hashlib
+
+    import botocore
+
+    with pytest.raises(botocore.exceptions.ClientError, match="BadDigest|InvalidDigest|XAmzContentSHA256Mismatch"):
+        store.client.put_object(Bucket=store.bucket, Key=store._key("bad"), Body=b"payload",
+                                ContentMD5=base64.b64encode(hashlib.md5(b"payloaX").digest()).decode())
+    assert not store.exists("bad")
+
+
+def test_wrong_credentials_and_unreachable_endpoint(seaweed):
+    bad = S3Store(seaweed.url(seaweed.bucket + "/x"), access_key=seaweed.access_key, secret_key="wrong-secret")
+    with pytest.raises(StoreError, match="rejected the credentials") as e:
+        bad.put("k", b"v")
+    assert "wrong-secret" not in str(e.value)
+    gone = S3Store("s3://b/x?endpoint=http://127.0.0.1:9", access_key="a", secret_key="b", max_attempts=1,
+                   connect_timeout=1)
+    with pytest.raises(StoreError, match="unreachable"):
+        gone.get("k")
+
+
+def test_missing_credentials_clear_error(seaweed, monkeypatch):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s = S3Store(seaweed.url(seaweed.bucket + "/x"), max_attempts=1)
+    with pytest.raises(StoreError, match="no AWS credentials"):
+        s.get("k")
+
+
+def test_multi_rank_round_trip_with_acks(store):
+    """Four sender ranks, two registered receivers acking: the version commits with both
+    acks, and both end bit-exact with the new tensors, digests checked."""
+    states = _states(1)
+    recv = {i: {k: t.clone() for k, t in states[0].items()} for i in range(2)}
+    fs = [Follower(store, recv[i], receiver_id=f"worker-{i}") for i in range(2)]
+    _write(store, 1, 0, states[0], states[1], world=4)
+    rec = commit.seal_version(store, 1, 0, 4, timeout=10)
+    assert len(rec["ranks"]) == 4 and rec["digests"]
+    done = []
+    ths = [threading.Thread(target=lambda f=f: done.append(f.follow(until=1, timeout=30))) for f in fs]
+    for t in ths:
+        t.start()
+    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=30))
+    for t in ths:
+        t.join()
+    assert d["decision"] == "commit" and d["acked"] == ["worker-0", "worker-1"]
+    assert all(_same(recv[i], states[1]) for i in range(2))
+    assert {r["version"] for r in commit.receivers(store).values()} == {1}
+
+
+def test_receiver_streams_a_version_while_it_is_written(store):
+    """Parts are fetched and decoded before the sender has finished the version."""
+    states = _states(1)
+    s = TensorSender(states[0])
+    for n in s.tensors:
+        s.tensors[n] = states[1][n]
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors)
+    seen = []
+
+    def after_chunk():
+        import time
+
+        time.sleep(0.2)  # parts upload asynchronously: give this one time to land
+        f.poll()  # the version is not sealed: the follower streams what is there
+        seen.append(len(f._parts[1].parts) if 1 in f._parts else 0)
+        assert commit.read_record(store, 1) is None and _same(tensors, states[0])
+
+    m = s.write(store, 1, 0, s.take(), part_bytes=1, after_chunk=after_chunk)  # one part per chunk
+    assert seen[0] >= 1 and seen == sorted(seen) and seen[-1] == len(m["parts"]) > 1
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 1), commit.CommitPolicy())
+    f.poll()
+    assert f.version == 1 and _same(tensors, states[1])
+
+
+def test_second_committer_refused(store):
+    states = _states(1)
+    _write(store, 1, 0, states[0], states[1])
+    rec = commit.seal_version(store, 1, 0, 2)
+    out = []
+    ths = [threading.Thread(target=lambda d=d: out.append(commit.decide(store, 1, 0, d, [], [], d)))
+           for d in ("commit", "abort", "commit", "abort")]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert len({o["decision"] for o in out}) == 1  # every writer sees the one decision that stands
+    assert commit.read_decision(store, 1)["decision"] == out[0]["decision"]
+    assert rec["version"] == 1
+
+
+def test_policies_abort_and_quorum(store):
+    states = _states(2)
+    commit.register(store, "ok", 0)
+    commit.register(store, "ghost", 0)  # never acks
+    _write(store, 1, 0, states[0], states[1])
+    rec = commit.seal_version(store, 1, 0, 2)
+    commit.write_ack(store, 1, "ok", 0)
+    with pytest.raises(commit.CommitTimeout, match="ghost"):
+        commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=0.3))
+    assert commit.read_decision(store, 1) is None  # wait: nothing decided, the trainer sees the error
+    d = commit.run_commit(store, rec, commit.CommitPolicy("abort", timeout=0.3))
+    assert d["decision"] == "abort" and d["lagging"] == ["ghost"]
+    _write(store, 2, 0, states[0], states[2])
+    rec2 = commit.seal_version(store, 2, 0, 2)
+    commit.write_ack(store, 2, "ok", 0)
+    d2 = commit.run_commit(store, rec2, commit.CommitPolicy("quorum", timeout=0.3, quorum=0.5))
+    assert d2["decision"] == "commit" and d2["lagging"] == ["ghost"]
+    # the lagging receiver catches up later: version 2 builds on 0, which it holds
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    Follower(store, tensors).poll()
+    assert _same(tensors, states[2])
+
+
+def test_catch_up_by_chain_and_new_receiver_by_keyframe(store):
+    states = _states(5)
+    commit.write_keyframe(store, 0, states[0])
+    behind = {k: t.clone() for k, t in states[0].items()}
+    for v in range(1, 6):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+        if v == 2:
+            commit.write_keyframe(store, 2, states[2])
+    # 5 versions behind (holding 0): chains 1..5
+    f = Follower(store, behind)
+    applied = f.poll()
+    assert [a.version for a in applied] == [1, 2, 3, 4, 5] and _same(behind, states[5])
+    assert all(a.digest_checked for a in applied)
+    # a new receiver: the newest committed keyframe, then deltas
+    k = latest_keyframe(store)
+    assert k == 2
+    from safetensors.torch import load
+
+    fresh = load(store.get(f"{commit.keyframe_dir(k)}/model.safetensors"))
+    f2 = Follower(store, fresh, version=k)  # checks the keyframe's digests first
+    assert [a.version for a in f2.poll()] == [3, 4, 5] and _same(fresh, states[5])
+
+
+def test_gc_removes_what_nobody_needs(store):
+    states = _states(4)
+    commit.write_keyframe(store, 0, states[0])
+    for v in range(1, 4):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+    commit.register(store, "slow", 1)
+    commit.write_keyframe(store, 3, states[3])
+    _write(store, 4, 3, states[3], states[4])  # sealed but aborted
+    commit.decide(store, 4, 3, "abort", [], [], "test")
+    deleted = commit.gc(store)
+    left = commit.list_versions(store)
+    assert left == [2, 3]  # 1 is held by "slow" (it needs 2 and 3); 4 was aborted
+    assert commit.keyframes(store) == [3] and any("keyframe/0000000000" in k for k in deleted)
+    tensors = {k: t.clone() for k, t in states[1].items()}
+    Follower(store, tensors, version=1).poll()  # the slow receiver still catches up
+    assert _same(tensors, states[3])
+
+
+def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path):
+    """torchrun, 2 ranks (TP 2), the Publisher on S3 with the abort policy: a registered
+    receiver that never acks makes version 1 abort, and every rank's baselines are back at
+    version 0 bit for bit; then a live receiver acks versions 2 and 3, which commit (2 on
+    base 0), and it ends bit-exact with the dense export."""
+    from nemo_dcr_callback.launch import torchrun_cmd
+
+    env = {**os.environ, **seaweed.env()}
+    url = seaweed.url(f"{seaweed.bucket}/training-abort")
+    cmd = torchrun_cmd(2, [str(ROOT / "tests" / "s3_publish_worker.py"), url])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "baselines restored bit-exact on 2 ranks" in out, out[-3000:]
+    assert "receiver bit-exact with the dense export at version 3" in out, out[-3000:]
+    store = seaweed.store("training-abort")
+    assert commit.read_decision(store, 1)["decision"] == "abort"
+    assert commit.read_decision(store, 2)["decision"] == "commit" and commit.read_record(store, 2)["base"] == 0
+    assert commit.read_decision(store, 3)["acked"] == ["rollout-0"]
