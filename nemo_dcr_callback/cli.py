@@ -97,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--steps", type=_positive, default=30)
     bo.add_argument("--pairs", type=_positive, default=2)
 
+    br = bsub.add_parser("refit", help="end-to-end refit over a tbf-shaped link: dense vs DCR via S3 (root)")
+    br.add_argument("--params", type=_positive, default=1 << 29, help="synthetic BF16 parameters (default 0.5G: 1 GB)")
+    br.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
+    br.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
+    br.add_argument("--part-bytes", type=_positive, default=1 << 20)
+    br.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
+
+    s3p = sub.add_parser("s3-server", help="run a local S3 server (SeaweedFS) for tests and trials")
+    s3p.add_argument("--dir", required=True, help="data directory")
+    s3p.add_argument("--ip", default="127.0.0.1")
+    s3p.add_argument("--port", type=int, default=None, help="base port (12 consecutive ports; default: free ones)")
+
     de = sub.add_parser("demo", help="the main job: 4-rank CPU training publishing to a following receiver")
     de.add_argument("--steps", type=_positive, default=10)
     de.add_argument("--tp", type=_positive, default=2)
@@ -165,6 +177,21 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench" and args.bench == "overhead":
             from nemo_dcr_callback import bench_overhead
             bench_overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra))
+        elif args.cmd == "bench" and args.bench == "refit":
+            from nemo_dcr_callback import bench_refit
+            bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
+                            json_path=args.json)
+        elif args.cmd == "s3-server":
+            from nemo_dcr_callback.transport.seaweed import SeaweedS3
+            s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port).start()
+            print(f"S3 (SeaweedFS) at {s3.endpoint}, bucket {s3.bucket}; store URL {s3.url()}\n"
+                  "credentials for clients (never logged elsewhere):", flush=True)
+            for k, v in s3.env().items():
+                print(f"export {k}={v}", flush=True)
+            try:
+                s3.proc.wait()
+            except KeyboardInterrupt:
+                s3.stop()
         elif args.cmd == "bench" and args.bench == "placement":
             return _torchrun(args.tp * args.pp, "nemo_dcr_callback.placement.bench",
                              ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]

@@ -64,6 +64,21 @@ def sum64(values: torch.Tensor, positions: np.ndarray | torch.Tensor | None = No
                              kernels.num_threads()))
 
 
+def sum64_at(target: torch.Tensor, positions: torch.Tensor) -> int:
+    """The digest terms of target's elements at `positions` (int32/int64 tensor), read in
+    place: sum64(target[positions], positions) without the gather."""
+    lib = kernels.native()
+    flat = target.reshape(-1)
+    if lib is None or not flat.is_contiguous() or flat.device.type != "cpu":
+        p = positions.long()
+        return sum64(flat[p], p.numpy())
+    if positions.numel() and int(positions.max()) >= flat.numel():
+        raise IndexError("position out of range")
+    positions = positions.contiguous()
+    return int(lib.dcr_sum64_at(flat.data_ptr(), flat.element_size(), positions.data_ptr(),
+                                int(positions.dtype == torch.int64), positions.numel(), kernels.num_threads()))
+
+
 def update(d: int, positions, old: torch.Tensor, new: torch.Tensor) -> int:
     """The digest after the elements at `positions` went from `old` to `new`."""
     return (d - sum64(old, positions) + sum64(new, positions)) & MASK

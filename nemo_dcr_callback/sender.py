@@ -167,7 +167,22 @@ class TensorSender:
         return [(n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True, scratch=self._scratch))
                 for n, t in self.tensors.items()]
 
-    def write(self, store, v: int, base: int, taken: list[tuple[str, SparseDelta]], part_bytes: int = 4 << 20,
+    def stream(self, store, v: int, base: int, part_bytes: int = 4 << 20) -> tuple[list, dict]:
+        """take() and write() interleaved tensor by tensor: each tensor's chunks are encoded
+        and their parts uploaded while the kernel runs over the next tensors (the refit
+        starts moving bytes right after the first tensor). Returns (taken, manifest)."""
+        taken: list[tuple[str, SparseDelta]] = []
+
+        def lazily():
+            for n, t in self.tensors.items():
+                taken.append((n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True,
+                                            scratch=self._scratch)))
+                yield taken[-1]
+
+        m = self.write(store, v, base, lazily(), part_bytes=part_bytes)
+        return taken, m
+
+    def write(self, store, v: int, base: int, taken, part_bytes: int = 4 << 20,
               after_chunk: Callable[[], None] | None = None):
         """Encode and stream one version's chunks (parts uploaded as they fill), then the
         manifest with the moved digests (kept, for the next version, only on commit)."""

@@ -749,3 +749,39 @@ extern "C" uint64_t dcr_sum64(const void* vals, int width, const int64_t* pos, i
   for (uint64_t x : part) acc += x;
   return acc;
 }
+
+// The digest terms of a tensor's elements at the given positions, read in place (a receiver
+// checks its own weights around an apply without gathering them first).
+template <class T, class I>
+static uint64_t sum64_at_t(const T* t, const I* pos, int64_t lo, int64_t hi) {
+  uint64_t acc = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    const uint64_t p = static_cast<uint64_t>(pos[i]);
+    acc += dcr_mix64((p * 0xD6E8FEB86659FD93ull) ^ static_cast<uint64_t>(t[pos[i]]));
+  }
+  return acc;
+}
+
+template <class I>
+static uint64_t sum64_at_w(const void* t, int width, const I* pos, int64_t lo, int64_t hi) {
+  switch (width) {
+    case 1: return sum64_at_t(static_cast<const uint8_t*>(t), pos, lo, hi);
+    case 2: return sum64_at_t(static_cast<const uint16_t*>(t), pos, lo, hi);
+    case 4: return sum64_at_t(static_cast<const uint32_t*>(t), pos, lo, hi);
+    default: return sum64_at_t(static_cast<const uint64_t*>(t), pos, lo, hi);
+  }
+}
+
+extern "C" uint64_t dcr_sum64_at(const void* t, int width, const void* pos, int pos64, int64_t count,
+                                 int nthreads) {
+  if (count < (1 << 18)) nthreads = 1;
+  std::vector<uint64_t> part(std::max(nthreads, 1), 0);
+  parallel_for(nthreads, [&](int k) {
+    const int64_t lo = count * k / nthreads, hi = count * (k + 1) / nthreads;
+    part[k] = pos64 ? sum64_at_w(t, width, static_cast<const int64_t*>(pos), lo, hi)
+                    : sum64_at_w(t, width, static_cast<const int32_t*>(pos), lo, hi);
+  });
+  uint64_t acc = 0;
+  for (uint64_t x : part) acc += x;
+  return acc;
+}
