@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--rate", type=float, default=0.03)
 
     rc = sub.add_parser("receive", help="apply published versions to a Hugging Face model")
-    rc.add_argument("--store", required=True, help="store URL (file:///path)")
+    rc.add_argument("--store", required=True, help="store URL (file:///path or s3://bucket/prefix[?endpoint=URL])")
+    rc.add_argument("--id", default=None, help="receiver id: register, ack versions, take part in the joint commit")
     rc.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
     rc.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
     rc.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
@@ -202,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "receive":
             from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
             if args.model_dir:
-                return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout)
+                return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
+                                       receiver_id=args.id)
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
-                               args.apply)
+                               args.apply, receiver_id=args.id)
         elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

@@ -79,6 +79,28 @@ def sum64_at(target: torch.Tensor, positions: torch.Tensor) -> int:
                                 int(positions.dtype == torch.int64), positions.numel(), kernels.num_threads()))
 
 
+def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> tuple[int, int]:
+    """delta.scatter with the digest terms of the touched elements before and after, in one
+    pass over the target (the receiver's apply and its check, fused)."""
+    from nemo_dcr_callback.delta import scatter
+
+    lib = kernels.native()
+    t = bits(target)
+    if lib is None or positions.dtype not in (torch.int32, torch.int64):
+        before = sum64_at(target, positions)
+        scatter(target, positions, values, op)
+        return before, sum64_at(target, positions)
+    positions = positions.contiguous()
+    values = values.contiguous().view(t.dtype) if values.dtype != t.dtype else values.contiguous()
+    sums = np.zeros(2, dtype=np.uint64)
+    rc = lib.dcr_scatter_digest(t.data_ptr(), t.numel(), t.element_size(), positions.data_ptr(),
+                                int(positions.dtype == torch.int64), values.data_ptr(), positions.numel(), op,
+                                sums.ctypes.data)
+    if rc < 0:
+        raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
+    return int(sums[0]), int(sums[1])
+
+
 def update(d: int, positions, old: torch.Tensor, new: torch.Tensor) -> int:
     """The digest after the elements at `positions` went from `old` to `new`."""
     return (d - sum64(old, positions) + sum64(new, positions)) & MASK

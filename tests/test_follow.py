@@ -176,3 +176,18 @@ def test_record_digests_are_whole_tensor_digests(tmp_path):
     states = _chain(store, steps=2)
     rec = commit.read_record(store, 2)
     assert rec["digests"] == {k: digest.hexd(digest.sum64(t)) for k, t in sorted(states[2].items())}
+
+
+def test_bits_drifting_after_start_caught_by_the_apply_check(tmp_path):
+    """The per-version check reads back every element it touches (fused into the apply): a
+    receiver element that drifted since start-up, and that the version changes, is named."""
+    store = FileStore(tmp_path)
+    states = _chain(store, steps=2)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors)
+    f.apply_version(1)
+    changed = (bits(states[2]["layer.1.w"]) != bits(states[1]["layer.1.w"])).view(-1).nonzero()[0, 0]
+    tensors["layer.1.w"].view(-1)[changed] += 1  # drift at a position version 2 touches
+    with pytest.raises(codec.ChunkError, match="layer.1.w"):
+        f.apply_version(2)
+    assert f.version == 1

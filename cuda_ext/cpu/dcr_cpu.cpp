@@ -785,3 +785,39 @@ extern "C" uint64_t dcr_sum64_at(const void* t, int width, const void* pos, int 
   for (uint64_t x : part) acc += x;
   return acc;
 }
+
+// The receiver's apply with its digest check fused in: one pass that reads each target
+// element, accumulates its digest term before and after the write, and writes it.
+template <class T, class I>
+static void apply_values_dig(T* target, const I* pos, const T* vals, int64_t count, int op, uint64_t* sums) {
+  constexpr int64_t kAhead = 32;
+  uint64_t before = 0, after = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
+    const uint64_t pk = static_cast<uint64_t>(pos[i]) * 0xD6E8FEB86659FD93ull;
+    T& t = target[pos[i]];
+    before += dcr_mix64(pk ^ static_cast<uint64_t>(t));
+    if (op == 0) t ^= vals[i];
+    else if (op == 1) t = vals[i];
+    else t = funkey<T>(static_cast<T>(fkey<T>(t) + unzigzag<T>(vals[i])));
+    after += dcr_mix64(pk ^ static_cast<uint64_t>(t));
+  }
+  sums[0] += before;
+  sums[1] += after;
+}
+
+extern "C" int64_t dcr_scatter_digest(void* target, int64_t n, int width, const void* pos, int pos64,
+                                      const void* vals, int64_t count, int op, uint64_t* sums) {
+  int rc = pos64 ? check_positions(static_cast<const int64_t*>(pos), count, n)
+                 : check_positions(static_cast<const int32_t*>(pos), count, n);
+  if (rc) return rc;
+  if (op == 2 && width == 1) return -9;
+  if (pos64) {
+    DISPATCH_WIDTH(width, apply_values_dig<T, int64_t>(static_cast<T*>(target), static_cast<const int64_t*>(pos),
+                                                        static_cast<const T*>(vals), count, op, sums));
+  } else {
+    DISPATCH_WIDTH(width, apply_values_dig<T, int32_t>(static_cast<T*>(target), static_cast<const int32_t*>(pos),
+                                                        static_cast<const T*>(vals), count, op, sums));
+  }
+  return 0;
+}

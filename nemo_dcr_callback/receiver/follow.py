@@ -174,14 +174,19 @@ class Follower:
                 self._parts.pop(v, None)
                 raise _Aborted(v, d["reason"])
         t1 = time.perf_counter()
-        old = self._terms(decoded) if self.digests is not None else None
-        if hasattr(self.target, "version"):  # targets that journal (checkpoint directories)
-            self.target.apply(decoded, version=v)
-        else:
-            self.target.apply(decoded)
         checked = False
-        if old is not None:
-            checked = self._update_digests(v, rec, decoded, old)
+        if self.digests is not None and hasattr(self.target, "apply_with_terms"):
+            terms = self.target.apply_with_terms(decoded)  # one pass: apply and read back
+            checked = self._check_digests(v, rec, terms)
+        else:
+            old = self._terms(decoded) if self.digests is not None else None
+            if hasattr(self.target, "version"):  # targets that journal (checkpoint directories)
+                self.target.apply(decoded, version=v)
+            else:
+                self.target.apply(decoded)
+            if old is not None:
+                new = self._terms(decoded)
+                checked = self._check_digests(v, rec, {n: (old[n], new[n]) for n in old})
         self.version = v
         self._parts.pop(v, None)
         if self.receiver_id:
@@ -189,10 +194,10 @@ class Follower:
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
                        rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked)
 
-    def _update_digests(self, v, rec, decoded, old: dict[str, int]) -> bool:
+    def _check_digests(self, v, rec, terms: dict[str, tuple[int, int]]) -> bool:
         dg = dict(self.digests)
-        for n, new in self._terms(decoded).items():
-            dg[n] = (dg[n] - old[n] + new) & digest.MASK
+        for n, (before, after) in terms.items():
+            dg[n] = (dg[n] - before + after) & digest.MASK
         bad = [n for n, x in rec["digests"].items() if n in dg and int(x, 16) != dg[n]]
         if bad:
             raise codec.ChunkError(f"version {v}: after applying, tensor {bad[0]!r} does not match the version's "

@@ -41,6 +41,18 @@ class StateDictTarget:
         for d in decoded:
             codec.apply_decoded(d, self.tensors[d.header.name].view(-1))
 
+    def apply_with_terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, tuple[int, int]]:
+        """apply() fused with the digest check: per tensor, the digest terms of the touched
+        elements before and after (read from the tensors themselves in the same pass)."""
+        from nemo_dcr_callback import digest
+
+        out: dict[str, tuple[int, int]] = {}
+        for d in decoded:
+            b, a = digest.scatter_terms(self.tensors[d.header.name].view(-1), d.positions, d.values, d.op)
+            ob, oa = out.get(d.header.name, (0, 0))
+            out[d.header.name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+        return out
+
     def names(self) -> list[str]:
         return list(self.tensors)
 
