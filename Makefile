@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all placement demo bench lint kernels clean
+.PHONY: setup test test-all placement demo bench bench-refit lint kernels clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: setup
 	$(BIN)/nemo-dcr bench codec --json benchmarks/results/codec.json
 	$(BIN)/nemo-dcr bench placement --json benchmarks/results/placement.json
 	$(BIN)/nemo-dcr bench overhead --json benchmarks/results/overhead.json
+
+# Needs root (network namespaces, tc tbf); about 4 minutes, mostly the 1 GB dense refit at 100 Mbit/s.
+bench-refit: setup
+	$(BIN)/nemo-dcr bench refit --json benchmarks/results/refit.json
 
 lint: setup
 	$(BIN)/ruff check .
