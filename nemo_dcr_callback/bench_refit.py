@@ -133,9 +133,10 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     with ShapedLink(mbit) as link, SeaweedS3(work / "s3", ip=link.ip_a) as s3:
         store = s3.store("refit")
         env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1"}
+        rx_err = open(work / "receiver.log", "w+")  # a file, not a pipe nobody drains
         rx = subprocess.Popen(["ip", "netns", "exec", link.ns, sys.executable, "-m", "nemo_dcr_callback.bench_refit",
                                "receiver", "--url", s3.url(f"{s3.bucket}/refit"), "--init", str(init),
-                               "--versions", str(len(rates))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--versions", str(len(rates))], stdout=subprocess.PIPE, stderr=rx_err,
                               text=True, env=env)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(json.loads(x)) for x in rx.stdout if x.startswith("{")],
@@ -146,7 +147,9 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
                 return lines.get(timeout=timeout)
             except queue.Empty:
                 rx.kill()
-                raise RuntimeError("receiver stopped answering: " + rx.stderr.read()[-2000:]) from None
+                rx.wait()
+                rx_err.seek(0)
+                raise RuntimeError("receiver stopped answering: " + rx_err.read()[-2000:]) from None
 
         next_line()  # receiver ready (registered, holding version 0)
         sender = TensorSender(cur)

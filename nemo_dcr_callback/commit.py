@@ -129,7 +129,8 @@ def verify_key(v: int) -> str:
     return f"verify/{v:010d}/model.safetensors"
 
 
-def _get_json(store, key: str):
+def read_json(store, key: str):
+    """A JSON object from the store, or None if the key does not exist."""
     try:
         return json.loads(store.get(key))
     except KeyError:
@@ -150,7 +151,6 @@ class RankWriter:
         self._buf: list[bytes] = []
         self._size = 0
         self._futs: list = []
-        self.first_put: float | None = None
 
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)
@@ -166,8 +166,6 @@ class RankWriter:
         self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
                                   checksum=xxhash.xxh3_64_hexdigest(data)))
         self._buf, self._size = [], 0
-        if self.first_put is None:
-            self.first_put = time.perf_counter()
         pool = getattr(self.store, "executor", None)
         if pool is None:
             self.store.put(key, data, durable=False)
@@ -206,7 +204,7 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
     while len(ms) < world:
         for k in keys:
             if k not in ms:
-                m = _get_json(store, k)
+                m = read_json(store, k)
                 if m is not None:
                     ms[k] = m
         if len(ms) < world:
@@ -232,11 +230,7 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
 
 
 def read_record(store, v: int) -> VersionRecord | None:
-    return _get_json(store, version_record(v))
-
-
-def read_manifest(store, v: int, r: int) -> RankManifest | None:
-    return _get_json(store, rank_manifest(v, r))
+    return read_json(store, version_record(v))
 
 
 def list_versions(store) -> list[int]:
@@ -257,7 +251,7 @@ def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
     now = time.time()
     for name in store.children("receivers"):
         if name.endswith(".json"):
-            r = _get_json(store, f"receivers/{name}")
+            r = read_json(store, f"receivers/{name}")
             if r is not None and (live_s is None or now - r["time"] <= live_s):
                 out[r["receiver"]] = r
     return out
@@ -271,7 +265,7 @@ def write_ack(store, v: int, receiver: str, base: int, ok: bool = True, error: s
 def read_acks(store, v: int) -> dict[str, Ack]:
     out = {}
     for name in store.children(f"{vdir(v)}/acks"):
-        a = _get_json(store, f"{vdir(v)}/acks/{name}")
+        a = read_json(store, f"{vdir(v)}/acks/{name}")
         if a is not None:
             out[a["receiver"]] = a
     return out
@@ -321,7 +315,7 @@ def decide(store, v: int, base: int, decision: str, acked: list[str], lagging: l
 
 
 def read_decision(store, v: int) -> Decision | None:
-    return _get_json(store, decision_key(v))
+    return read_json(store, decision_key(v))
 
 
 def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: bool = True,
@@ -374,10 +368,6 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decisio
         time.sleep(poll)
 
 
-def committed_versions(store) -> list[int]:
-    return [v for v in list_versions(store) if (d := read_decision(store, v)) and d["decision"] == "commit"]
-
-
 # ------------------------------------------------------------------ keyframes and garbage
 def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
     """A full canonical checkpoint of version v (safetensors), its config and digests; the
@@ -399,7 +389,7 @@ def keyframes(store) -> list[int]:
 
 
 def read_keyframe(store, v: int) -> dict | None:
-    return _get_json(store, f"{keyframe_dir(v)}/KEYFRAME.json")
+    return read_json(store, f"{keyframe_dir(v)}/KEYFRAME.json")
 
 
 def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:

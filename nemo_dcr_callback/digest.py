@@ -101,18 +101,16 @@ def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.T
     return int(sums[0]), int(sums[1])
 
 
+def update_xor(d: int, positions, new: torch.Tensor, xor: torch.Tensor) -> int:
+    """update() for an XOR delta: the old values are new ^ xor (what a sender holds)."""
+    return update(d, positions, (bits(new) ^ bits(xor)).view(new.dtype), new)
+
+
 def update(d: int, positions, old: torch.Tensor, new: torch.Tensor) -> int:
     """The digest after the elements at `positions` went from `old` to `new`."""
     return (d - sum64(old, positions) + sum64(new, positions)) & MASK
 
 
-def tensor_digest(t: torch.Tensor) -> int:
-    return sum64(t)
-
-
 def hexd(d: int) -> str:
     return f"{d & MASK:016x}"
 
-
-def add(ds) -> int:
-    return sum(int(x, 16) if isinstance(x, str) else x for x in ds) & MASK

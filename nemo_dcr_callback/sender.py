@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback import codec, digest
-from nemo_dcr_callback.delta import Scratch, SparseDelta, bits, take_delta, undo
+from nemo_dcr_callback.delta import Scratch, SparseDelta, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
 
@@ -92,8 +92,7 @@ class ShardSender:
                 new = torch.cat([d.new[a:b] for a, b in pr.parts])
                 numel = self.placement.numel(pr.name)
                 if digests is not None:
-                    old = (bits(new) ^ bits(xor)).view(new.dtype)
-                    digests[pr.name] = digest.update(digests.get(pr.name, 0), pr.positions, old, new)
+                    digests[pr.name] = digest.update_xor(digests.get(pr.name, 0), pr.positions, new, xor)
                 if pm.residual:
                     out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
                                               span=self.span, level=self.level)
@@ -195,8 +194,7 @@ class TensorSender:
             params += d.numel
             changed += d.count
             if d.count:
-                old = (bits(d.new) ^ bits(d.xor)).view(d.new.dtype)
-                dig[n] = digest.update(dig[n], d.positions.numpy().astype(np.int64), old, d.new)
+                dig[n] = digest.update_xor(dig[n], d.positions.numpy().astype(np.int64), d.new, d.xor)
                 for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level):
                     w.add(c)
                     if after_chunk is not None:

@@ -51,6 +51,19 @@ def perturb(t: torch.Tensor, rate: float, gen: torch.Generator, specials: bool =
     return out
 
 
+def race(fn, n: int) -> list:
+    """Call fn(i) for i in range(n) from n threads started together; the results, in finishing order."""
+    import threading
+
+    out: list = []
+    ths = [threading.Thread(target=lambda i=i: out.append(fn(i))) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return out
+
+
 def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, specials: bool = True) -> torch.Tensor:
     if dtype.is_floating_point:
         t = (torch.randn(shape, generator=gen) * 0.02).to(dtype)

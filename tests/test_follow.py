@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import perturb, random_tensor
+from conftest import perturb, race, random_tensor
 
 from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
@@ -100,13 +100,7 @@ def test_wrong_base_and_wrong_model_refused(tmp_path):
 
 def test_store_put_if_absent_one_winner(tmp_path):
     store = FileStore(tmp_path)
-    wins = []
-    ths = [threading.Thread(target=lambda i=i: wins.append(store.put_if_absent("x/rec", str(i).encode())))
-           for i in range(8)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
+    wins = race(lambda i: store.put_if_absent("x/rec", str(i).encode()), 8)
     assert wins.count(True) == 1
     assert store.get("x/rec").decode() in {str(i) for i in range(8)}
     assert store.list("x") == ["x/rec"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import perturb, random_tensor
+from conftest import perturb, race, random_tensor
 
 from nemo_dcr_callback import commit
 from nemo_dcr_callback.delta import bits
@@ -78,13 +78,7 @@ def test_store_basics_and_conditional_write(store):
     store.put("a/big", big)
     assert store.get("a/big") == big
     assert store.list("a") == ["a/big", "a/x"] and store.children("") == ["a"]
-    wins = []
-    ths = [threading.Thread(target=lambda i=i: wins.append(store.put_if_absent("a/rec", str(i).encode())))
-           for i in range(6)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
+    wins = race(lambda i: store.put_if_absent("a/rec", str(i).encode()), 6)
     assert wins.count(True) == 1  # If-None-Match: exactly one writer wins
     store.delete(["a/big", "a/x"])
     assert store.list("a") == ["a/rec"]
@@ -175,13 +169,7 @@ def test_second_committer_refused(store):
     states = _states(1)
     _write(store, 1, 0, states[0], states[1])
     rec = commit.seal_version(store, 1, 0, 2)
-    out = []
-    ths = [threading.Thread(target=lambda d=d: out.append(commit.decide(store, 1, 0, d, [], [], d)))
-           for d in ("commit", "abort", "commit", "abort")]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
+    out = race(lambda i: commit.decide(store, 1, 0, ("commit", "abort")[i % 2], [], [], "racer"), 4)
     assert len({o["decision"] for o in out}) == 1  # every writer sees the one decision that stands
     assert commit.read_decision(store, 1)["decision"] == out[0]["decision"]
     assert rec["version"] == 1

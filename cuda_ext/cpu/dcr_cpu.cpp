@@ -722,12 +722,24 @@ static inline uint64_t dcr_mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// One element's digest term: position p holding bits v.
+static inline uint64_t dcr_term(uint64_t p, uint64_t v) { return dcr_mix64((p * 0xD6E8FEB86659FD93ull) ^ v); }
+
+// Sum over threads of f(lo, hi) on an even split of [0, n).
+template <class F>
+static uint64_t parallel_sum(int nthreads, int64_t n, F&& f) {
+  std::vector<uint64_t> part(std::max(nthreads, 1), 0);
+  parallel_for(nthreads, [&](int t) { part[t] = f(n * t / nthreads, n * (t + 1) / nthreads); });
+  uint64_t acc = 0;
+  for (uint64_t x : part) acc += x;
+  return acc;
+}
+
 template <class T>
 static uint64_t sum64_t(const T* v, const int64_t* pos, int64_t base, int64_t lo, int64_t hi) {
   uint64_t acc = 0;
   for (int64_t i = lo; i < hi; ++i) {
-    const uint64_t p = pos ? static_cast<uint64_t>(pos[i]) : static_cast<uint64_t>(base + i);
-    acc += dcr_mix64((p * 0xD6E8FEB86659FD93ull) ^ static_cast<uint64_t>(v[i]));
+    acc += dcr_term(pos ? static_cast<uint64_t>(pos[i]) : static_cast<uint64_t>(base + i), v[i]);
   }
   return acc;
 }
@@ -735,19 +747,14 @@ static uint64_t sum64_t(const T* v, const int64_t* pos, int64_t base, int64_t lo
 extern "C" uint64_t dcr_sum64(const void* vals, int width, const int64_t* pos, int64_t base, int64_t n,
                               int nthreads) {
   if (n < (1 << 20)) nthreads = 1;
-  std::vector<uint64_t> part(std::max(nthreads, 1), 0);
-  parallel_for(nthreads, [&](int t) {
-    const int64_t lo = n * t / nthreads, hi = n * (t + 1) / nthreads;
+  return parallel_sum(nthreads, n, [&](int64_t lo, int64_t hi) {
     switch (width) {
-      case 1: part[t] = sum64_t(static_cast<const uint8_t*>(vals), pos, base, lo, hi); break;
-      case 2: part[t] = sum64_t(static_cast<const uint16_t*>(vals), pos, base, lo, hi); break;
-      case 4: part[t] = sum64_t(static_cast<const uint32_t*>(vals), pos, base, lo, hi); break;
-      default: part[t] = sum64_t(static_cast<const uint64_t*>(vals), pos, base, lo, hi); break;
+      case 1: return sum64_t(static_cast<const uint8_t*>(vals), pos, base, lo, hi);
+      case 2: return sum64_t(static_cast<const uint16_t*>(vals), pos, base, lo, hi);
+      case 4: return sum64_t(static_cast<const uint32_t*>(vals), pos, base, lo, hi);
+      default: return sum64_t(static_cast<const uint64_t*>(vals), pos, base, lo, hi);
     }
   });
-  uint64_t acc = 0;
-  for (uint64_t x : part) acc += x;
-  return acc;
 }
 
 // The digest terms of a tensor's elements at the given positions, read in place (a receiver
@@ -755,10 +762,7 @@ extern "C" uint64_t dcr_sum64(const void* vals, int width, const int64_t* pos, i
 template <class T, class I>
 static uint64_t sum64_at_t(const T* t, const I* pos, int64_t lo, int64_t hi) {
   uint64_t acc = 0;
-  for (int64_t i = lo; i < hi; ++i) {
-    const uint64_t p = static_cast<uint64_t>(pos[i]);
-    acc += dcr_mix64((p * 0xD6E8FEB86659FD93ull) ^ static_cast<uint64_t>(t[pos[i]]));
-  }
+  for (int64_t i = lo; i < hi; ++i) acc += dcr_term(static_cast<uint64_t>(pos[i]), t[pos[i]]);
   return acc;
 }
 
@@ -775,15 +779,10 @@ static uint64_t sum64_at_w(const void* t, int width, const I* pos, int64_t lo, i
 extern "C" uint64_t dcr_sum64_at(const void* t, int width, const void* pos, int pos64, int64_t count,
                                  int nthreads) {
   if (count < (1 << 18)) nthreads = 1;
-  std::vector<uint64_t> part(std::max(nthreads, 1), 0);
-  parallel_for(nthreads, [&](int k) {
-    const int64_t lo = count * k / nthreads, hi = count * (k + 1) / nthreads;
-    part[k] = pos64 ? sum64_at_w(t, width, static_cast<const int64_t*>(pos), lo, hi)
-                    : sum64_at_w(t, width, static_cast<const int32_t*>(pos), lo, hi);
+  return parallel_sum(nthreads, count, [&](int64_t lo, int64_t hi) {
+    return pos64 ? sum64_at_w(t, width, static_cast<const int64_t*>(pos), lo, hi)
+                 : sum64_at_w(t, width, static_cast<const int32_t*>(pos), lo, hi);
   });
-  uint64_t acc = 0;
-  for (uint64_t x : part) acc += x;
-  return acc;
 }
 
 // The receiver's apply with its digest check fused in: one pass that reads each target
@@ -794,13 +793,13 @@ static void apply_values_dig(T* target, const I* pos, const T* vals, int64_t cou
   uint64_t before = 0, after = 0;
   for (int64_t i = 0; i < count; ++i) {
     if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
-    const uint64_t pk = static_cast<uint64_t>(pos[i]) * 0xD6E8FEB86659FD93ull;
+    const uint64_t p = static_cast<uint64_t>(pos[i]);
     T& t = target[pos[i]];
-    before += dcr_mix64(pk ^ static_cast<uint64_t>(t));
+    before += dcr_term(p, t);
     if (op == 0) t ^= vals[i];
     else if (op == 1) t = vals[i];
     else t = funkey<T>(static_cast<T>(fkey<T>(t) + unzigzag<T>(vals[i])));
-    after += dcr_mix64(pk ^ static_cast<uint64_t>(t));
+    after += dcr_term(p, t);
   }
   sums[0] += before;
   sums[1] += after;

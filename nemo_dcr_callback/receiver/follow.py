@@ -124,7 +124,7 @@ class Follower:
             raise codec.ChunkError(f"version {v} builds on {rec['base']}, this receiver holds {self.version}")
         refs = []
         for key in rec["ranks"]:
-            m = commit._get_json(self.store, key)
+            m = commit.read_json(self.store, key)
             if m is None:
                 raise codec.ChunkError(f"{key}: manifest missing")
             if m["version"] != v or m["base"] != rec["base"]:
@@ -263,7 +263,7 @@ def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
         raise KeyError(f"version {v} is not sealed")
     chunks: list[bytes] = []
     for key in rec["ranks"]:
-        m = commit._get_json(store, key)
+        m = commit.read_json(store, key)
         for p in m["parts"]:
             blob = store.get(p["key"])
             if len(blob) != p["bytes"] or xxhash.xxh3_64_hexdigest(blob) != p["checksum"]:

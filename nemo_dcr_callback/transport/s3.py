@@ -34,7 +34,8 @@ def _botocore():
 
 
 class S3Store:
-    """One bucket and key prefix. Thread-safe (boto3 clients are); `put_many` uploads concurrently."""
+    """One bucket and key prefix. Thread-safe (boto3 clients are); `executor()` runs requests
+    concurrently (part uploads, part fetches)."""
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None,
@@ -62,7 +63,6 @@ class S3Store:
         # Explicit keys (tests, an embedded server) or, when None, the standard AWS chain.
         session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key)
         self.client = session.client("s3", endpoint_url=self.endpoint_url, region_name=region, config=cfg)
-        self._explicit = (access_key, secret_key) if access_key else None
         self._pool = None
         self._pool_lock = threading.Lock()
 
@@ -133,18 +133,6 @@ class S3Store:
             if isinstance(cause, (self._errors.ClientError, self._errors.BotoCoreError)):
                 raise self._fail("put", key, cause) from None
             raise
-
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """Upload several objects concurrently; the first failure is raised after all finish."""
-        if len(items) <= 1:
-            for k, d in items:
-                self.put(k, d)
-            return
-        futs = [self.executor().submit(self.put, k, d) for k, d in items]
-        errs = [f.exception() for f in futs]
-        for e in errs:
-            if e is not None:
-                raise e
 
     def executor(self):
         """A shared thread pool for concurrent requests."""

@@ -70,6 +70,7 @@ class SeaweedS3:
         self.secret_key = secret_key or secrets.token_urlsafe(24)
         self.bucket = bucket
         self.proc: subprocess.Popen | None = None
+        self.log = None
 
     @property
     def endpoint(self) -> str:
@@ -132,6 +133,9 @@ class SeaweedS3:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def __enter__(self) -> SeaweedS3:
         return self.start() if self.proc is None else self

@@ -72,10 +72,6 @@ class FileStore:
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        for k, d in items:
-            self.put(k, d, durable=False)
-
     def delete(self, keys: list[str]) -> None:
         for k in keys:
             self._path(k).unlink(missing_ok=True)
