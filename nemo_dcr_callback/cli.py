@@ -6,6 +6,8 @@
   nemo-dcr bench codec [...]          codec benchmark (table + JSON)
   nemo-dcr demo                       diff/patch round trip on a synthetic policy
   nemo-dcr build-kernels              compile the CPU kernels
+  nemo-dcr relay --parent URL         a relay node of the fan-out tree
+  nemo-dcr receive --store URL ...    a receiver following a store or relay
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--rate", type=float, default=0.03)
 
     rc = sub.add_parser("receive", help="apply published versions to a Hugging Face model")
-    rc.add_argument("--store", required=True, help="store URL (file:///path or s3://bucket/prefix[?endpoint=URL])")
+    rc.add_argument("--store", default=None,
+                    help="store URL (file:///path, s3://bucket/prefix[?endpoint=URL], relay://host:port; "
+                         "comma-separated: a failover chain, nearest first)")
+    rc.add_argument("--topology", default=None, help="relay tree config (YAML, docs/RELAY.md); with --attach")
+    rc.add_argument("--attach", default=None, help="the relay (by name in --topology) this receiver attaches to")
     rc.add_argument("--id", default=None, help="receiver id: register, ack versions, take part in the joint commit")
     rc.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
     rc.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
@@ -104,6 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
     br.add_argument("--part-bytes", type=_positive, default=1 << 20)
     br.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
+
+    bl = bsub.add_parser("relay", help="fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)")
+    bl.add_argument("--params", type=_positive, default=1 << 27, help="synthetic BF16 parameters (default 128M)")
+    bl.add_argument("--mbit", type=float, default=100.0, help="inter-region link rate each way, Mbit/s")
+    bl.add_argument("--rate", type=float, default=0.03, help="change rate")
+    bl.add_argument("--receivers", type=_positive, default=4, help="receivers per region")
+    bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
+
+    ry = sub.add_parser("relay", help="run a relay node of the fan-out tree (docs/RELAY.md)")
+    ry.add_argument("--parent", default=None, help="upstream store URL (comma-separated: failover chain)")
+    ry.add_argument("--topology", default=None, help="relay tree config (YAML); with --name")
+    ry.add_argument("--name", default="relay", help="this relay's name (in --topology: its node)")
+    ry.add_argument("--listen", default=None, help="HOST:PORT (default: from --topology, else 127.0.0.1:0)")
+    ry.add_argument("--token-env", default="NEMO_DCR_RELAY_TOKEN", help="environment variable holding the token")
+    ry.add_argument("--no-token", action="store_true", help="accept unauthenticated peers (loopback trials only)")
+    ry.add_argument("--cache-mb", type=_positive, default=1024)
+    ry.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
+    ry.add_argument("--spill-mb", type=_positive, default=8192)
+    ry.add_argument("--poll-ms", type=float, default=5.0, help="how often to list the parent for new objects")
+    ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
+    ry.add_argument("--tls-cert", default=None)
+    ry.add_argument("--tls-key", default=None)
 
     s3p = sub.add_parser("s3-server", help="run a local S3 server (SeaweedFS) for tests and trials")
     s3p.add_argument("--dir", required=True, help="data directory")
@@ -152,6 +180,43 @@ def _torchrun(nproc: int, module: str, args: list[str]) -> int:
     return subprocess.run(torchrun_cmd(nproc, ["-m", module, *args])).returncode
 
 
+def _receive_store(args) -> str:
+    if args.topology:
+        from nemo_dcr_callback.transport.topology import Topology
+        if not args.attach:
+            raise ValueError("--topology needs --attach RELAY (the relay this receiver attaches to)")
+        return Topology.load(args.topology).attach(args.attach)
+    if not args.store:
+        raise ValueError("give --store URL, or --topology FILE --attach RELAY")
+    return args.store
+
+
+def _relay(args) -> int:
+    import os
+
+    from nemo_dcr_callback.transport.relay import RelayConfig, serve
+    if args.topology:
+        from nemo_dcr_callback.transport.topology import Topology
+        topo = Topology.load(args.topology)
+        if args.name not in topo.nodes:
+            raise ValueError(f"no relay {args.name!r} in {args.topology} (has {', '.join(topo.nodes)})")
+        parent, (host, port) = topo.upstream(args.name), topo.listen(args.name)
+    elif args.parent:
+        parent, host, port = args.parent, "127.0.0.1", 0
+    else:
+        raise ValueError("give --parent URL, or --topology FILE --name RELAY")
+    if args.listen:
+        host, _, p = args.listen.rpartition(":")
+        port = int(p)
+    token = None if args.no_token else os.environ.get(args.token_env)
+    if token is None and not args.no_token:
+        raise ValueError(f"no relay token: set {args.token_env} (or --no-token for loopback trials)")
+    serve(parent, RelayConfig(host=host, port=port, token=token, name=args.name, cache_mb=args.cache_mb,
+                              spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
+                              prefetch=not args.no_prefetch, tls_cert=args.tls_cert, tls_key=args.tls_key))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nemo_dcr_callback import codec
@@ -182,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             from nemo_dcr_callback import bench_refit
             bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
                             json_path=args.json)
+        elif args.cmd == "bench" and args.bench == "relay":
+            from nemo_dcr_callback import bench_relay
+            bench_relay.run(args.params, args.mbit, args.rate, args.receivers, json_path=args.json)
+        elif args.cmd == "relay":
+            return _relay(args)
         elif args.cmd == "s3-server":
             from nemo_dcr_callback.transport.seaweed import SeaweedS3
             s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port).start()
@@ -202,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
         elif args.cmd == "receive":
             from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
+            args.store = _receive_store(args)
             if args.model_dir:
                 return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
                                        receiver_id=args.id)

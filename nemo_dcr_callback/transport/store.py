@@ -102,8 +102,13 @@ class FileStore:
 
 
 def open_store(url: str):
-    """A store for a URL: file:///abs/path, file://rel/path, a plain path, or
-    s3://bucket/prefix[?endpoint=http://host:port&region=...]."""
+    """A store for a URL: file:///abs/path, file://rel/path, a plain path,
+    s3://bucket/prefix[?endpoint=http://host:port&region=...], relay://host:port (a relay
+    node, transport.relay), or a comma-separated failover chain of these (nearest first)."""
+    if "," in url:
+        from nemo_dcr_callback.transport.relay_store import FailoverStore
+
+        return FailoverStore([open_store(u.strip()) for u in url.split(",") if u.strip()])
     u = urlparse(url)
     if u.scheme in ("", "file"):
         path = (u.netloc + u.path) if u.scheme == "file" else url
@@ -112,4 +117,8 @@ def open_store(url: str):
         from nemo_dcr_callback.transport.s3 import S3Store
 
         return S3Store(url)
-    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (use file:// or s3://)")
+    if u.scheme in ("relay", "relays"):
+        from nemo_dcr_callback.transport.relay_store import RelayStore
+
+        return RelayStore(url)
+    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (use file://, s3:// or relay://)")

@@ -1,0 +1,445 @@
+"""`nemo-dcr relay`: one node of the relay tree (docs/RELAY.md).
+
+A relay serves the store's key space (the commit protocol's objects, docs/PROTOCOL.md) to
+its children (relays below it, receivers in its region) over HTTP, and fetches each object
+from its parent (the origin store, or the relay above it) once:
+
+- Prefetch: a watcher lists the parent's newest versions every `poll_s` and pulls every new
+  part, manifest, record and decision as soon as it appears, so parts flow down the tree
+  while the senders are still writing later parts (the unit is one part, a few MB: nothing
+  waits for a whole version).
+- Dedupe: concurrent requests for one key share one upstream fetch; immutable objects are
+  cached (memory, LRU, spilling to disk), so each byte crosses the link above a relay once
+  whatever the number of children.
+- Verify before forwarding: every chunk of a part is checked (codec checksums, and the part
+  against its rank manifest when that is known), JSON must parse; an object that fails is
+  counted, never cached and never served (the child gets 502 and re-attaches elsewhere).
+- Writes (receiver registrations, acks) are passed up to the parent, so acks reach the
+  joint commit at the origin; conditional writes keep their If-None-Match meaning.
+- Peers authenticate with a shared token (Authorization: Bearer); TLS is optional.
+
+The parent is any store (transport.store.open_store): a comma-separated list of URLs makes
+a failover chain (parent, grandparent, ..., origin), which is how a relay re-attaches when
+its parent dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+from aiohttp import web
+
+from nemo_dcr_callback import codec
+
+CHECKSUM_HEADER = "X-DCR-XXH3"
+
+
+@dataclass
+class RelayConfig:
+    """How one relay node runs; every field is a `nemo-dcr relay` flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port (printed on start)
+    token: str | None = None  # shared token peers must present; None: no authentication (loopback trials)
+    name: str = "relay"
+    cache_mb: int = 1024  # memory for cached objects; beyond it, LRU objects spill to disk
+    spill_dir: str | None = None  # None: evicted objects are dropped (and refetched if asked again)
+    spill_mb: int = 8192
+    poll_s: float = 0.005  # how often the watcher lists the parent; also the TTL of cached listings
+    prefetch: bool = True  # pull new versions ahead of requests
+    threads: int = 16  # concurrent upstream requests
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    fault: str | None = field(default_factory=lambda: os.environ.get("NEMO_DCR_RELAY_FAULT"))  # tests only
+
+
+def mutable(key: str) -> bool:
+    """Objects that may change or appear at any time: never cached as present."""
+    return key.startswith("receivers/") or "/acks/" in key
+
+
+class Cache:
+    """Immutable objects by key: memory up to a budget, then LRU spill to a directory."""
+
+    def __init__(self, mem_bytes: int, spill_dir: str | None, spill_bytes: int):
+        self.mem: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+        self.mem_bytes, self.used = mem_bytes, 0
+        self.spill = Path(spill_dir) if spill_dir else None
+        self.spilled: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self.spill_bytes, self.spill_used = spill_bytes, 0
+        if self.spill:
+            self.spill.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, key: str) -> Path:
+        return self.spill / xxhash.xxh3_128_hexdigest(key.encode())
+
+    def put(self, key: str, data: bytes, digest: str) -> None:
+        if key in self.mem:
+            return
+        self.mem[key] = (data, digest)
+        self.used += len(data)
+        while self.used > self.mem_bytes and len(self.mem) > 1:
+            k, (d, h) = self.mem.popitem(last=False)
+            self.used -= len(d)
+            if self.spill and len(d) <= self.spill_bytes:
+                self._file(k).write_bytes(d)
+                self.spilled[k] = (len(d), h)
+                self.spill_used += len(d)
+                while self.spill_used > self.spill_bytes:
+                    old, (n, _) = self.spilled.popitem(last=False)
+                    self._file(old).unlink(missing_ok=True)
+                    self.spill_used -= n
+
+    def drop(self, key: str) -> None:
+        d = self.mem.pop(key, None)
+        if d is not None:
+            self.used -= len(d[0])
+        if self.spill and self.spilled.pop(key, None) is not None:
+            self._file(key).unlink(missing_ok=True)
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        hit = self.mem.get(key)
+        if hit is not None:
+            self.mem.move_to_end(key)
+            return hit
+        if key in self.spilled:
+            n, h = self.spilled[key]
+            try:
+                return self._file(key).read_bytes(), h
+            except FileNotFoundError:
+                self.spilled.pop(key)
+        return None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.mem or key in self.spilled
+
+
+class VerifyError(Exception):
+    pass
+
+
+def verify_object(key: str, data: bytes, manifest_parts: dict[str, dict]) -> None:
+    """Check an object before it is cached or forwarded; raise VerifyError naming the problem."""
+    if key.endswith(".dcr"):
+        try:
+            for c in codec.split_chunks(data):
+                codec.parse_header(c)  # verifies the chunk checksum and header fields
+        except codec.ChunkError as exc:
+            raise VerifyError(f"{key}: {exc}") from None
+        ref = manifest_parts.get(key)
+        if ref is not None and (len(data) != ref["bytes"] or xxhash.xxh3_64_hexdigest(data) != ref["checksum"]):
+            raise VerifyError(f"{key}: does not match its rank manifest")
+    elif key.endswith(".json"):
+        try:
+            json.loads(data)
+        except ValueError as exc:
+            raise VerifyError(f"{key}: not valid JSON ({exc})") from None
+
+
+class Relay:
+    """A relay node over a parent store (see the module docstring)."""
+
+    def __init__(self, parent, cfg: RelayConfig):
+        self.parent, self.cfg = parent, cfg
+        self.cache = Cache(cfg.cache_mb << 20, cfg.spill_dir, cfg.spill_mb << 20)
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="relay-up")
+        self.inflight: dict[str, asyncio.Future] = {}
+        self.missing: dict[str, float] = {}  # key -> time it was last seen absent upstream
+        self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
+        self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self.manifest_parts: dict[str, dict] = {}
+        self.done_versions: set[str] = set()
+        self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
+                      "part_bytes_in": 0, "part_bytes_out": 0,
+                      "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
+                      "started": time.time()}
+        self._fault = _Fault(cfg.fault)
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------ upstream
+    async def _up(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def fetch(self, key: str) -> tuple[bytes, str] | None:
+        """The verified object (bytes, xxh3), from the cache or fetched once; None if absent."""
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.stats["hits"] += 1
+            return hit
+        if not mutable(key):
+            seen = self.missing.get(key)
+            if seen is not None and time.monotonic() - seen < self.cfg.poll_s:
+                return None
+        fut = self.inflight.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self.inflight[key] = fut
+        try:
+            res = await self._fetch_upstream(key)
+            fut.set_result(res)
+            return res
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            self.inflight.pop(key, None)
+
+    async def _fetch_upstream(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = await self._up(self.parent.get, key)
+        except KeyError:
+            self.missing[key] = time.monotonic()
+            return None
+        except OSError:
+            self.stats["upstream_errors"] += 1
+            raise
+        self.stats["bytes_in"] += len(data)
+        self.stats["objects_in"] += 1
+        if key.endswith(".dcr"):
+            self.stats["part_bytes_in"] += len(data)
+        try:
+            await self._up(verify_object, key, data, self.manifest_parts)
+        except VerifyError:
+            self.stats["rejected"] += 1
+            raise
+        h = xxhash.xxh3_64_hexdigest(data)
+        self.missing.pop(key, None)
+        if not mutable(key):
+            self.cache.put(key, self._fault.at_rest(key, data), h)
+            if "/rank-" in key and key.endswith(".json"):
+                for p in json.loads(data).get("parts", []):
+                    self.manifest_parts[p["key"]] = p
+        return data, h
+
+    async def listing(self, op: str, prefix: str) -> list[str]:
+        """The parent's list/children of prefix, shared by every asker within poll_s."""
+        k = (op, prefix)
+        hit = self.lists.get(k)
+        if hit is not None and time.monotonic() - hit[0] < self.cfg.poll_s:
+            return hit[1]
+        fut = self.list_inflight.get(k)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self.list_inflight[k] = fut
+        try:
+            t = time.monotonic()
+            out = await self._up(getattr(self.parent, op), prefix)
+            self.lists[k] = (t, out)
+            fut.set_result(out)
+            return out
+        except BaseException as exc:
+            self.stats["upstream_errors"] += 1
+            fut.set_exception(exc)
+            fut.exception()
+            raise
+        finally:
+            self.list_inflight.pop(k, None)
+
+    async def watch(self) -> None:
+        """Pull every new object of the newest versions as soon as the parent has it."""
+        while True:
+            try:
+                versions = [v for v in await self.listing("children", "versions/") if v.isdigit()]
+                for v in versions[-3:]:
+                    vd = f"versions/{v}"
+                    if vd in self.done_versions:
+                        continue
+                    keys = [k for k in await self.listing("list", vd) if not mutable(k)]
+                    todo = [k for k in keys if k not in self.cache and k not in self.inflight]
+                    # manifests first: parts are then checked against them too
+                    todo.sort(key=lambda k: not k.endswith(".json"))
+                    if todo:
+                        await asyncio.gather(*(self.fetch(k) for k in todo), return_exceptions=True)
+                    if f"{vd}/DECISION.json" in self.cache:
+                        self.done_versions.add(vd)
+            except (OSError, KeyError):
+                pass  # the parent chain re-attaches; try again next round
+            await asyncio.sleep(self.cfg.poll_s)
+
+    # ------------------------------------------------------------ HTTP
+    def _authorized(self, request: web.Request) -> bool:
+        if self.cfg.token is None:
+            return True
+        got = request.headers.get("Authorization", "")
+        ok = hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
+        if not ok:
+            self.stats["unauthorized"] += 1
+        return ok
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path != "/health" and not self._authorized(request):
+            return web.json_response({"error": "missing or wrong relay token"}, status=401)
+        try:
+            return await handler(request)
+        except VerifyError as exc:
+            return web.json_response({"error": f"corrupt object from upstream, not forwarded: {exc}"}, status=502)
+        except OSError as exc:
+            return web.json_response({"error": f"upstream unavailable: {exc}"}, status=503)
+
+    async def h_get(self, request: web.Request) -> web.StreamResponse:
+        key = request.match_info["key"]
+        got = await self.fetch(key)
+        if got is None:
+            return web.json_response({"error": f"no such key {key}"}, status=404)
+        data, h = got
+        if request.method == "HEAD":
+            return web.Response(status=200, headers={CHECKSUM_HEADER: h, "X-DCR-Length": str(len(data))})
+        if xxhash.xxh3_64_hexdigest(data) != h:  # corrupted at rest here (memory, spill file): never forwarded
+            self.stats["rejected"] += 1
+            self.cache.drop(key)
+            got = await self.fetch(key)
+            if got is None:
+                return web.json_response({"error": f"no such key {key}"}, status=404)
+            data, h = got
+        self._fault.served(key)
+        self.stats["bytes_out"] += len(data)
+        self.stats["objects_out"] += 1
+        if key.endswith(".dcr"):
+            self.stats["part_bytes_out"] += len(data)
+        return web.Response(body=data, content_type="application/octet-stream", headers={CHECKSUM_HEADER: h})
+
+    async def h_put(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        data = await request.read()
+        self.stats["puts"] += 1
+        if request.query.get("if_absent") == "1":
+            created = await self._up(self.parent.put_if_absent, key, data)
+            return web.json_response({"created": created}, status=200 if created else 412)
+        await self._up(self.parent.put, key, data)
+        self.lists.clear()
+        return web.json_response({"ok": True})
+
+    async def h_list(self, request: web.Request) -> web.Response:
+        op = "children" if request.path == "/children" else "list"
+        return web.json_response(await self.listing(op, request.query.get("prefix", "")))
+
+    async def h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "cached_objects": len(self.cache.mem) + len(self.cache.spilled),
+                                  "cached_bytes": self.cache.used, "spilled_bytes": self.cache.spill_used})
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": self.cfg.name, "ok": True})
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/stats", self.h_stats)
+        app.router.add_get("/list", self.h_list)
+        app.router.add_get("/children", self.h_list)
+        app.router.add_route("GET", "/o/{key:.+}", self.h_get)
+        app.router.add_route("HEAD", "/o/{key:.+}", self.h_get)
+        app.router.add_put("/o/{key:.+}", self.h_put)
+        return app
+
+    async def start(self) -> None:
+        ssl_ctx = None
+        if self.cfg.tls_cert:
+            import ssl
+
+            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=ssl_ctx, backlog=1024)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        if self.cfg.prefetch:
+            self._watcher = asyncio.create_task(self.watch())
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Fault:
+    """Fault injection for tests (NEMO_DCR_RELAY_FAULT): 'corrupt:N' flips a byte in the cached
+    copy of the first N parts, after they were verified (corruption at rest in this relay);
+    'die:N' kills the relay (SIGKILL) when it is asked for a part after serving N."""
+
+    def __init__(self, spec: str | None):
+        self.kind, self.n = None, 0
+        if spec:
+            kind, _, n = spec.partition(":")
+            if kind not in ("corrupt", "die"):
+                raise ValueError(f"unknown relay fault {spec!r} (corrupt:N or die:N)")
+            self.kind, self.n = kind, int(n or 1)
+        self.count = 0
+
+    def at_rest(self, key: str, data: bytes) -> bytes:
+        if self.kind != "corrupt" or not key.endswith(".dcr") or self.count >= self.n or not data:
+            return data
+        self.count += 1
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x40
+        return bytes(b)
+
+    def served(self, key: str) -> None:
+        if self.kind == "die" and key.endswith(".dcr"):
+            if self.count >= self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.count += 1
+
+
+def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
+    """Run a relay until SIGINT/SIGTERM; prints one line with its address when it listens."""
+    from nemo_dcr_callback.transport.store import open_store
+
+    parent = open_store(parent_url)
+    relay = Relay(parent, cfg)
+
+    async def main() -> None:
+        await relay.start()
+        scheme = "relays" if cfg.tls_cert else "relay"
+        print(f"nemo-dcr relay {cfg.name}: listening on {scheme}://{cfg.host}:{relay.port} "
+              f"(parent {_redact(parent_url)}, cache {cfg.cache_mb} MB"
+              f"{', spill ' + cfg.spill_dir if cfg.spill_dir else ''}"
+              f"{', token required' if cfg.token else ', NO token: anyone can connect'})", flush=True)
+        if ready is not None:
+            ready(relay)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        relay._stop = stop
+        await stop.wait()
+        await relay.stop()
+
+    asyncio.run(main())
+
+
+def _redact(url: str) -> str:
+    return url.split("?")[0] + ("?..." if "?" in url else "")
+
+
+def main(argv: list[str] | None = None) -> int:  # python -m nemo_dcr_callback.transport.relay PARENT
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("parent")
+    ap.add_argument("--port", type=int, default=0)
+    a = ap.parse_args(argv)
+    serve(a.parent, RelayConfig(port=a.port, token=os.environ.get("NEMO_DCR_RELAY_TOKEN")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

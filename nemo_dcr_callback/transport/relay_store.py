@@ -1,0 +1,172 @@
+"""The store interface over a relay (relay://host:port, relays:// for TLS), and failover chains.
+
+A receiver (or a relay below) uses a relay exactly like any other store, so the follower's
+apply path is the same as with object storage. `FailoverStore` tries its stores in order
+(nearest relay, its parent, ..., the origin store) and moves down the chain when one fails;
+whatever the caller already fetched and verified stays with the caller (the follower's
+staged parts, a relay's cache), so nothing verified is downloaded twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import parse_qs, quote, urlparse
+
+import urllib3
+import xxhash
+
+from nemo_dcr_callback.transport.relay import CHECKSUM_HEADER
+from nemo_dcr_callback.transport.store import StoreError
+
+TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
+
+
+class RelayStore:
+    """relay://host:port[?timeout=S&ca=PATH]: the token comes from NEMO_DCR_RELAY_TOKEN (or
+    `token=`), never from the URL, so it is never logged with it."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float | None = None):
+        u = urlparse(url)
+        if u.scheme not in ("relay", "relays") or not u.hostname or not u.port:
+            raise StoreError(f"bad relay URL {url!r} (relay://host:port)")
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        self.url = f"{u.scheme}://{u.hostname}:{u.port}"
+        self.base = f"{'https' if u.scheme == 'relays' else 'http'}://{u.hostname}:{u.port}"
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        t = float(q.get("timeout", timeout or 30.0))
+        kw = {"ca_certs": q["ca"]} if "ca" in q else {}
+        self.http = urllib3.PoolManager(maxsize=32, retries=False, timeout=urllib3.Timeout(connect=3.0, read=t), **kw)
+        self.headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _req(self, method: str, path: str, body: bytes | None = None, fields: dict | None = None):
+        try:
+            r = self.http.request(method, self.base + path, body=body, fields=fields, headers=self.headers)
+        except urllib3.exceptions.HTTPError as exc:
+            raise StoreError(f"relay at {self.url} unreachable ({type(exc).__name__})") from None
+        if r.status == 401:
+            raise StoreError(f"relay at {self.url} refused the token (HTTP 401: "
+                             f"{'wrong token' if self.token else f'no token; set {TOKEN_ENV}'})")
+        if r.status >= 500:
+            raise StoreError(f"relay at {self.url} failed (HTTP {r.status}): {_error(r)}")
+        return r
+
+    def get(self, key: str) -> bytes:
+        r = self._req("GET", "/o/" + quote(key))
+        if r.status == 404:
+            raise KeyError(key)
+        data = r.data
+        want = r.headers.get(CHECKSUM_HEADER)
+        if want is None or xxhash.xxh3_64_hexdigest(data) != want:
+            raise StoreError(f"relay at {self.url}: {key} arrived corrupt or truncated ({len(data)} bytes)")
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self._req("HEAD", "/o/" + quote(key)).status == 200
+
+    def list(self, prefix: str) -> list[str]:
+        return json.loads(self._req("GET", "/list", fields={"prefix": prefix}).data)
+
+    def children(self, prefix: str) -> list[str]:
+        return json.loads(self._req("GET", "/children", fields={"prefix": prefix}).data)
+
+    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+        r = self._req("PUT", "/o/" + quote(key), body=data)
+        if r.status != 200:
+            raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        r = self._req("PUT", "/o/" + quote(key) + "?if_absent=1", body=data)
+        if r.status not in (200, 412):
+            raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")
+        return r.status == 200
+
+    def delete(self, keys: list[str]) -> None:
+        raise StoreError("relays do not delete: run gc against the origin store")
+
+    def delete_prefix(self, prefix: str) -> list[str]:
+        raise StoreError("relays do not delete: run gc against the origin store")
+
+    def stats(self) -> dict:
+        return json.loads(self._req("GET", "/stats").data)
+
+    def executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="relay-get")
+        return self._pool
+
+
+def _error(r) -> str:
+    try:
+        return json.loads(r.data).get("error", "")
+    except ValueError:
+        return r.data[:200].decode(errors="replace")
+
+
+class FailoverStore:
+    """Stores tried in order; a failure (StoreError, not a missing key) moves to the next one
+    for good, printing one line. All failing raises the last error."""
+
+    def __init__(self, stores: list, quiet: bool = False):
+        if not stores:
+            raise ValueError("FailoverStore needs at least one store")
+        self.stores, self.i, self.quiet = stores, 0, quiet
+        self.url = ",".join(getattr(s, "url", "?") for s in stores)
+        self._lock = threading.Lock()
+        self.failovers = 0
+
+    @property
+    def current(self):
+        return self.stores[self.i]
+
+    def _call(self, op: str, *args):
+        while True:
+            i = self.i
+            try:
+                return getattr(self.stores[i], op)(*args)
+            except StoreError as exc:
+                with self._lock:
+                    if self.i == i:
+                        if i + 1 >= len(self.stores):
+                            raise
+                        self.i = i + 1
+                        self.failovers += 1
+                        if not self.quiet:
+                            print(f"nemo-dcr: {exc}; re-attaching to {getattr(self.stores[i + 1], 'url', '?')}",
+                                  file=sys.stderr, flush=True)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def exists(self, key):
+        return self._call("exists", key)
+
+    def list(self, prefix):
+        return self._call("list", prefix)
+
+    def children(self, prefix):
+        return self._call("children", prefix)
+
+    def put(self, key, data, durable=True):
+        return self._call("put", key, data, durable)
+
+    def put_if_absent(self, key, data):
+        return self._call("put_if_absent", key, data)
+
+    def delete(self, keys):
+        return self.stores[-1].delete(keys)
+
+    def delete_prefix(self, prefix):
+        return self.stores[-1].delete_prefix(prefix)
+
+    def executor(self):
+        ex = getattr(self.current, "executor", None)
+        if ex is not None:
+            return ex()
+        if not hasattr(self, "_pool"):
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="failover-get")
+        return self._pool

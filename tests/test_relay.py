@@ -1,0 +1,257 @@
+"""The relay tree on loopback: real `nemo-dcr relay` processes (aiohttp servers), real senders
+(TensorSender + the commit protocol on a file:// origin store), followers as receivers
+attached to their relay through the same store interface. The oracle is the sender's dense
+BF16 tensors of each version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import urllib3
+from conftest import perturb, random_tensor
+
+from nemo_dcr_callback import commit
+from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
+from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
+from nemo_dcr_callback.transport.topology import Topology
+
+TOKEN = "test-token-7f3a"
+
+
+class RelayProc:
+    """A `nemo-dcr relay` process; .url once it listens."""
+
+    def __init__(self, parent: str, name: str, fault: str | None = None, token: str | None = TOKEN):
+        env = {**os.environ, "NEMO_DCR_RELAY_TOKEN": token or ""}
+        env.pop("NEMO_DCR_RELAY_FAULT", None)
+        if fault:
+            env["NEMO_DCR_RELAY_FAULT"] = fault
+        args = [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
+                "--poll-ms", "5"] + ([] if token else ["--no-token"])
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"relay {name} did not start: {line}{self.proc.stdout.read()}")
+        self.url = line.split("listening on ")[1].split()[0]
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain
+
+    def stats(self) -> dict:
+        return RelayStore(self.url, token=TOKEN).stats()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def relays():
+    procs: list[RelayProc] = []
+
+    def start(*a, **kw) -> RelayProc:
+        procs.append(RelayProc(*a, **kw))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def _states(steps, n=4, shape=(512, 1023), rate=0.03, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    states = [{f"layer.{i}.w": random_tensor(shape, torch.bfloat16, g, specials=False) for i in range(n)}]
+    for _ in range(steps):
+        states.append({k: perturb(t, rate, g) for k, t in states[-1].items()})
+    return states
+
+
+def _same(a, b):
+    return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
+
+
+def _publish(store, v, old, new, world=2, part_bytes=4 << 20, policy=None):
+    for r in range(world):
+        s = TensorSender(old, r, world)
+        for n in s.tensors:
+            s.tensors[n] = new[n]
+        s.write(store, v, v - 1, s.take(), part_bytes=part_bytes)
+    rec = commit.seal_version(store, v, v - 1, world, timeout=30)
+    return commit.run_commit(store, rec, policy or commit.CommitPolicy("wait", timeout=60))
+
+
+class Counting:
+    """A store wrapper counting successful gets per key (what was actually downloaded)."""
+
+    def __init__(self, store):
+        self.store, self.got = store, {}
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        data = self.store.get(key)
+        with self.lock:
+            self.got[key] = self.got.get(key, 0) + 1
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _followers(states, urls, until, ids=True):
+    recv = [{k: t.clone() for k, t in states[0].items()} for _ in urls]
+    stores = [Counting(open_store(u)) for u in urls]
+    for s in stores:
+        for sub in getattr(s.store, "stores", [s.store]):
+            if isinstance(sub, RelayStore):
+                sub.token, sub.headers = TOKEN, {"Authorization": f"Bearer {TOKEN}"}
+    fs = [Follower(s, r, receiver_id=f"rx-{i}" if ids else None, poll_s=0.005)
+          for i, (s, r) in enumerate(zip(stores, recv, strict=True))]
+    errs: list[BaseException] = []
+
+    def run(f):
+        try:
+            f.follow(until=until, timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errs.append(exc)
+
+    ths = [threading.Thread(target=run, args=(f,)) for f in fs]
+    for t in ths:
+        t.start()
+    return recv, stores, ths, errs
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv("NEMO_DCR_RELAY_TOKEN", TOKEN)
+
+
+def test_tree_delivers_every_version_bit_exact_and_each_byte_once(tmp_path, relays):
+    """origin -> root relay -> two region relays -> two receivers each, three versions; acks
+    flow up to the joint commit at the origin. Each region relay pulls each part once."""
+    origin = FileStore(tmp_path / "origin")
+    root = relays(origin.url, "root")
+    regions = [relays(f"{root.url},{origin.url}", f"region-{i}") for i in range(2)]
+    urls = [f"{r.url},{root.url},{origin.url}" for r in regions for _ in range(2)]
+    states = _states(3)
+    recv, stores, ths, errs = _followers(states, urls, until=3)
+    for v in (1, 2, 3):
+        d = _publish(origin, v, states[v - 1], states[v], part_bytes=64 << 10)
+        assert d["decision"] == "commit" and d["acked"] == [f"rx-{i}" for i in range(4)], d
+    for t in ths:
+        t.join(60)
+    assert not errs, errs
+    assert all(_same(r, states[3]) for r in recv)
+    payload = sum(len(origin.get(k)) for k in origin.list("versions") if k.endswith(".dcr"))
+    for r in regions:
+        st = r.stats()
+        assert st["part_bytes_in"] == payload, (st, payload)  # each part crossed the link above once
+        assert st["part_bytes_out"] == 2 * payload  # and reached both receivers
+        assert st["rejected"] == 0
+    assert root.stats()["part_bytes_in"] == payload  # the root pulled each part once for both regions
+    assert root.stats()["part_bytes_out"] == 2 * payload
+
+
+def test_relay_killed_mid_version_receivers_finish_without_refetching(tmp_path, relays):
+    origin = FileStore(tmp_path / "origin")
+    root = relays(origin.url, "root")
+    region = relays(f"{root.url},{origin.url}", "region", fault="die:3")  # SIGKILLed after 3 parts
+    states = _states(1, n=8)
+    urls = [f"{region.url},{root.url},{origin.url}"] * 2
+    recv, stores, ths, errs = _followers(states, urls, until=1)
+    d = _publish(origin, 1, states[0], states[1], part_bytes=1)  # one part per chunk
+    for t in ths:
+        t.join(60)
+    assert not errs, errs
+    assert d["decision"] == "commit" and region.proc.wait(5) == -9
+    assert all(_same(r, states[1]) for r in recv)
+    parts = [k for k in origin.list("versions") if k.endswith(".dcr")]
+    assert len(parts) >= 8
+    for s in stores:
+        assert s.store.failovers == 1 and s.store.i == 1  # re-attached to the grandparent (root)
+        got = {k: n for k, n in s.got.items() if k.endswith(".dcr")}
+        assert sorted(got) == sorted(parts) and set(got.values()) == {1}  # nothing verified fetched twice
+
+
+def test_corrupted_chunk_at_a_relay_is_not_forwarded(tmp_path, relays):
+    origin = FileStore(tmp_path / "origin")
+    root = relays(origin.url, "root", fault="corrupt:1")  # its cached copy of one part is damaged
+    region = relays(f"{root.url},{origin.url}", "region")
+    states = _states(1)
+    recv, stores, ths, errs = _followers(states, [f"{region.url},{root.url},{origin.url}"], until=1)
+    d = _publish(origin, 1, states[0], states[1], part_bytes=64 << 10)
+    for t in ths:
+        t.join(60)
+    assert not errs and d["decision"] == "commit"
+    assert _same(recv[0], states[1])
+    assert root.stats()["rejected"] == 1  # caught at the relay that held it, refetched, never served
+    assert region.stats()["rejected"] == 0 and region.stats()["upstream_errors"] == 0
+    assert stores[0].store.failovers == 0
+
+
+def test_corrupt_object_from_upstream_is_refused(tmp_path, relays):
+    origin = FileStore(tmp_path / "origin")
+    states = _states(1)
+    _publish(origin, 1, states[0], states[1], part_bytes=64 << 10)
+    key = next(k for k in origin.list("versions") if k.endswith(".dcr"))
+    blob = bytearray(origin.get(key))
+    blob[-20] ^= 1
+    origin.put(key, bytes(blob))
+    root = relays(origin.url, "root")
+    with pytest.raises(StoreError, match="corrupt object from upstream, not forwarded"):
+        RelayStore(root.url, token=TOKEN).get(key)
+    assert root.stats()["rejected"] >= 1 and root.stats()["bytes_out"] == 0
+
+
+def test_unauthenticated_peer_refused(tmp_path, relays):
+    origin = FileStore(tmp_path / "origin")
+    origin.put("a/x", b"secret weights")
+    root = relays(origin.url, "root")
+    assert RelayStore(root.url, token=TOKEN).get("a/x") == b"secret weights"
+    with pytest.raises(StoreError, match="refused the token.*no token"):
+        RelayStore(root.url, token="").get("a/x")
+    with pytest.raises(StoreError, match="refused the token.*wrong token"):
+        RelayStore(root.url, token="guess").get("a/x")
+    with pytest.raises(StoreError, match="refused the token"):
+        RelayStore(root.url, token="guess").put("a/y", b"evil")
+    assert not origin.exists("a/y")
+    host = root.url.split("//")[1]
+    assert urllib3.request("GET", f"http://{host}/o/a/x").status == 401
+    assert urllib3.request("GET", f"http://{host}/health").status == 200
+    assert root.stats()["unauthorized"] == 4
+
+
+def test_relay_needs_a_token_and_unreachable_relay_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("NEMO_DCR_RELAY_TOKEN")
+    r = subprocess.run([sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no relay token: set NEMO_DCR_RELAY_TOKEN" in r.stderr
+    with pytest.raises(StoreError, match="relay at relay://127.0.0.1:9 unreachable"):
+        RelayStore("relay://127.0.0.1:9", token=TOKEN).get("k")
+    chain = FailoverStore([RelayStore("relay://127.0.0.1:9", token=TOKEN), FileStore(tmp_path)], quiet=True)
+    FileStore(tmp_path).put("k", b"v")
+    assert chain.get("k") == b"v" and chain.failovers == 1
+
+
+def test_topology_chains_and_validation(tmp_path):
+    t = Topology.from_dict({"origin": "s3://b/run", "relays": {
+        "root": {"url": "relay://10.0.0.1:8700"},
+        "a": {"url": "relay://10.1.0.1:8700", "parent": "root"},
+        "a2": {"url": "relay://10.1.0.2:8700", "parent": "a"}}})
+    assert t.upstream("a2") == "relay://10.1.0.1:8700,relay://10.0.0.1:8700,s3://b/run"
+    assert t.attach("a") == "relay://10.1.0.1:8700,relay://10.0.0.1:8700,s3://b/run"
+    assert t.listen("a2") == ("10.1.0.2", 8700) and t.children("root") == ["a"]
+    k = Topology.from_dict({"origin": "file:///o", "kary": {"fanout": 2, "relays": {
+        n: f"relay://h{i}:1" for i, n in enumerate(["r", "x", "y", "z", "w"])}}})
+    assert [k.nodes[n].parent for n in "rxyzw"] == ["origin", "r", "r", "x", "x"]
+    with pytest.raises(ValueError, match="unknown parent"):
+        Topology.from_dict({"origin": "o", "relays": {"a": {"url": "relay://h:1", "parent": "nope"}}})
+    with pytest.raises(ValueError, match="cycle"):
+        Topology.from_dict({"origin": "o", "relays": {"a": {"url": "relay://h:1", "parent": "b"},
+                                                      "b": {"url": "relay://h:2", "parent": "a"}}})
