@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all placement demo bench bench-refit lint kernels clean
+.PHONY: setup test test-all placement demo bench bench-refit bench-relay lint kernels clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ bench: setup
 # Needs root (network namespaces, tc tbf); about 4 minutes, mostly the 1 GB dense refit at 100 Mbit/s.
 bench-refit: setup
 	$(BIN)/nemo-dcr bench refit --json benchmarks/results/refit.json
+
+# Needs root: 2 regions x 4 receivers behind tbf-shaped links; dense/DCR via S3 vs the relay tree (~4 min).
+bench-relay: setup
+	$(BIN)/nemo-dcr bench relay --json benchmarks/results/relay.json
 
 lint: setup
 	$(BIN)/ruff check .

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,8 +38,8 @@ def _sh(*cmd: str, check: bool = True) -> None:
 class ShapedLink:
     """A network namespace for the receiver, a veth pair to it, tbf on both ends."""
 
-    def __init__(self, mbit: float, subnet: str = "10.77.0"):
-        tag = f"{os.getpid() % 100000}"
+    def __init__(self, mbit: float, subnet: str = "10.77.0", name: str = ""):
+        tag = f"{name}{os.getpid() % 100000}"
         self.ns, self.a, self.b = f"dcr-rx-{tag}", f"dcrs{tag}", f"dcrr{tag}"
         self.ip_a, self.ip_b, self.mbit = f"{subnet}.1", f"{subnet}.2", mbit
 
@@ -52,6 +53,7 @@ class ShapedLink:
             _sh("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ip_b}/24", "dev", self.b)
             _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", self.b, "up")
             _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", self.ns, "ip", "route", "add", "default", "via", self.ip_a)
             rate = f"{self.mbit}mbit"
             burst = f"{max(32, int(self.mbit * 1e6 / 8 / 250 / 1024))}kb"  # ~4 ms of traffic
             _sh("tc", "qdisc", "add", "dev", self.a, "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
@@ -62,6 +64,11 @@ class ShapedLink:
             raise RuntimeError(f"cannot set up the shaped link (needs root, ip and tc): {e.cmd}: "
                                f"{e.stderr.decode().strip()}") from None
         return self
+
+    def tx_rx(self) -> tuple[int, int]:
+        """Bytes sent into and received from the namespace over this link so far."""
+        st = Path(f"/sys/class/net/{self.a}/statistics")
+        return int((st / "tx_bytes").read_text()), int((st / "rx_bytes").read_text())
 
     def __exit__(self, *exc) -> None:
         _sh("ip", "link", "del", self.a, check=False)
@@ -121,6 +128,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     from nemo_dcr_callback.transport.seaweed import SeaweedS3
 
     t_start = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
     print(f"nemo-dcr bench refit: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
     policy = synthetic.make_policy(params, seed=seed)
     cur = policy.bf16()

@@ -358,14 +358,18 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
 
 def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:
     """Wait for the decision on v (non-committing ranks, receivers)."""
+    from nemo_dcr_callback.transport.store import wait_change
+
     deadline = time.monotonic() + timeout
+    token = 0
     while True:
         d = read_decision(store, v)
         if d is not None:
             return d
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left < 0:
             raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
-        time.sleep(poll)
+        token = wait_change(store, token, poll, min(1.0, left))
 
 
 # ------------------------------------------------------------------ keyframes and garbage

@@ -29,13 +29,14 @@ TOKEN = "test-token-7f3a"
 class RelayProc:
     """A `nemo-dcr relay` process; .url once it listens."""
 
-    def __init__(self, parent: str, name: str, fault: str | None = None, token: str | None = TOKEN):
+    def __init__(self, parent: str, name: str, fault: str | None = None, token: str | None = TOKEN,
+                 extra: tuple[str, ...] = ()):
         env = {**os.environ, "NEMO_DCR_RELAY_TOKEN": token or ""}
         env.pop("NEMO_DCR_RELAY_FAULT", None)
         if fault:
             env["NEMO_DCR_RELAY_FAULT"] = fault
         args = [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
-                "--poll-ms", "5"] + ([] if token else ["--no-token"])
+                "--poll-ms", "5", *extra] + ([] if token else ["--no-token"])
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         line = self.proc.stdout.readline()
         if "listening on" not in line:
@@ -255,3 +256,27 @@ def test_topology_chains_and_validation(tmp_path):
     with pytest.raises(ValueError, match="cycle"):
         Topology.from_dict({"origin": "o", "relays": {"a": {"url": "relay://h:1", "parent": "b"},
                                                       "b": {"url": "relay://h:2", "parent": "a"}}})
+
+
+def test_tls_and_nearest_relay(tmp_path, relays):
+    """TLS is optional: a relay with a certificate serves relays:// clients that trust it; and
+    --attach auto picks a relay that answers."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a test certificate")
+    key, crt = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    origin = FileStore(tmp_path / "origin")
+    origin.put("a/x", b"over tls")
+    r = relays(origin.url, "tls", extra=("--tls-cert", str(crt), "--tls-key", str(key)))
+    assert r.url.startswith("relays://")
+    assert RelayStore(f"{r.url}?ca={crt}", token=TOKEN).get("a/x") == b"over tls"
+    with pytest.raises(StoreError, match="unreachable"):  # an untrusted certificate is refused
+        RelayStore(r.url, token=TOKEN).get("a/x")
+    plain = relays(origin.url, "plain")
+    topo = Topology.from_dict({"origin": origin.url, "relays": {
+        "dead": {"url": "relay://127.0.0.1:9"}, "plain": {"url": plain.url}}})
+    assert topo.nearest() == "plain"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
+from nemo_dcr_callback.transport.store import wait_change
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Follower:
         self.decision_timeout = decision_timeout
         self.poll_s = poll_s
         self._parts: dict[int, _Parts] = {}
+        self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_change)
         self.digests: dict[str, int] | None = None
         if check_digests and hasattr(self.target, "flat"):
             self.digests = {n: digest.sum64(self.target.flat(n)) for n in self.target.names()}
@@ -245,9 +247,10 @@ class Follower:
                 deadline = time.monotonic() + timeout
             if until is not None and self.version >= until:
                 return
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left < 0:
                 raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
-            time.sleep(poll_s)
+            self._token = wait_change(self.store, self._token, poll_s, min(1.0, left))
 
 
 class _Aborted(Exception):

@@ -166,8 +166,15 @@ class Relay:
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
                       "started": time.time()}
         self._fault = _Fault(cfg.fault)
+        self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
+        self._changed = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+
+    def _bump(self) -> None:
+        self.gen += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------ upstream
     async def _up(self, fn, *args):
@@ -221,6 +228,7 @@ class Relay:
         self.missing.pop(key, None)
         if not mutable(key):
             self.cache.put(key, self._fault.at_rest(key, data), h)
+            self._bump()
             if "/rank-" in key and key.endswith(".json"):
                 for p in json.loads(data).get("parts", []):
                     self.manifest_parts[p["key"]] = p
@@ -240,6 +248,8 @@ class Relay:
         try:
             t = time.monotonic()
             out = await self._up(getattr(self.parent, op), prefix)
+            if hit is None or hit[1] != out:
+                self._bump()
             self.lists[k] = (t, out)
             fut.set_result(out)
             return out
@@ -253,6 +263,7 @@ class Relay:
 
     async def watch(self) -> None:
         """Pull every new object of the newest versions as soon as the parent has it."""
+        self._parent_gen = 0
         while True:
             try:
                 versions = [v for v in await self.listing("children", "versions/") if v.isdigit()]
@@ -270,6 +281,13 @@ class Relay:
                         self.done_versions.add(vd)
             except (OSError, KeyError):
                 pass  # the parent chain re-attaches; try again next round
+            if hasattr(self.parent, "wait"):  # a relay above: long-poll it instead of polling
+                try:
+                    self._parent_gen = await self._up(self.parent.wait, self._parent_gen, 1.0)
+                    self.lists.clear()  # what the parent holds changed: list it afresh
+                    continue
+                except OSError:
+                    pass
             await asyncio.sleep(self.cfg.poll_s)
 
     # ------------------------------------------------------------ HTTP
@@ -330,6 +348,17 @@ class Relay:
         op = "children" if request.path == "/children" else "list"
         return web.json_response(await self.listing(op, request.query.get("prefix", "")))
 
+    async def h_wait(self, request: web.Request) -> web.Response:
+        """Long-poll: answer once gen > the caller's (something new is here) or at the timeout."""
+        known = int(request.query.get("gen", "0"))
+        limit = min(float(request.query.get("timeout", "1")), 30.0)
+        if self.gen <= known:
+            try:
+                await asyncio.wait_for(self._changed.wait(), limit)
+            except TimeoutError:
+                pass
+        return web.json_response({"gen": self.gen})
+
     async def h_stats(self, request: web.Request) -> web.Response:
         return web.json_response({**self.stats, "cached_objects": len(self.cache.mem) + len(self.cache.spilled),
                                   "cached_bytes": self.cache.used, "spilled_bytes": self.cache.spill_used})
@@ -341,6 +370,7 @@ class Relay:
         app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
         app.router.add_get("/health", self.h_health)
         app.router.add_get("/stats", self.h_stats)
+        app.router.add_get("/wait", self.h_wait)
         app.router.add_get("/list", self.h_list)
         app.router.add_get("/children", self.h_list)
         app.router.add_route("GET", "/o/{key:.+}", self.h_get)

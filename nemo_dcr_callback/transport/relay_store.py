@@ -91,6 +91,14 @@ class RelayStore:
     def delete_prefix(self, prefix: str) -> list[str]:
         raise StoreError("relays do not delete: run gc against the origin store")
 
+    def wait(self, token: int, limit: float) -> int:
+        """Long-poll: return once the relay holds something newer than `token` (or after limit s)."""
+        r = self._req("GET", "/wait", fields={"gen": str(token), "timeout": f"{limit:.3f}"})
+        return int(json.loads(r.data)["gen"])
+
+    def health(self) -> dict:
+        return json.loads(self._req("GET", "/health").data)
+
     def stats(self) -> dict:
         return json.loads(self._req("GET", "/stats").data)
 
@@ -156,6 +164,16 @@ class FailoverStore:
 
     def put_if_absent(self, key, data):
         return self._call("put_if_absent", key, data)
+
+    def wait(self, token: int, limit: float) -> int:
+        from nemo_dcr_callback.transport.store import wait_change
+
+        i = self.i
+        try:
+            return wait_change(self.current, token, 0.005, limit)
+        except StoreError:
+            self._call("exists", "receivers/")  # moves down the chain (and says so)
+            return 0 if self.i != i else token
 
     def delete(self, keys):
         return self.stores[-1].delete(keys)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -99,6 +100,17 @@ class FileStore:
             return []
         return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
                       if p.is_file() and not p.name.endswith(".part"))
+
+
+def wait_change(store, token: int, poll: float, limit: float = 1.0) -> int:
+    """Pause until the store may have changed. A relay long-polls (returns as soon as it has
+    something new, so a fleet of receivers does not busy-poll it); other stores sleep `poll`.
+    Pass back the returned token next time (start with 0)."""
+    w = getattr(store, "wait", None)
+    if w is None:
+        time.sleep(poll)
+        return token
+    return w(token, limit)
 
 
 def open_store(url: str):

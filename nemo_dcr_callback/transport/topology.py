@@ -83,6 +83,33 @@ class Topology:
         """The store URL for a receiver attached to relay `name`."""
         return ",".join([self.nodes[name].url, *self.chain(name)])
 
+    def nearest(self, probes: int = 3) -> str:
+        """The relay answering /health fastest from here (median of `probes`): receivers attach
+        to it with `--attach auto`. Unreachable relays are skipped."""
+        import statistics
+        import time
+
+        from nemo_dcr_callback.transport.relay_store import RelayStore
+        from nemo_dcr_callback.transport.store import StoreError
+
+        best: tuple[float, str] | None = None
+        for name, node in self.nodes.items():
+            rs = RelayStore(node.url, timeout=2.0)
+            try:
+                ts = []
+                for _ in range(probes):
+                    t0 = time.perf_counter()
+                    rs.health()
+                    ts.append(time.perf_counter() - t0)
+            except StoreError:
+                continue
+            rtt = statistics.median(ts)
+            if best is None or rtt < best[0]:
+                best = (rtt, name)
+        if best is None:
+            raise ValueError("no relay in the topology answers")
+        return best[1]
+
     def listen(self, name: str) -> tuple[str, int]:
         u = urlparse(self.nodes[name].url)
         return u.hostname, u.port

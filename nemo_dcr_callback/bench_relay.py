@@ -1,0 +1,338 @@
+"""`nemo-dcr bench relay`: fan-out to two regions of receivers, side by side in one run.
+
+The sender's region is the root network namespace: the sender, SeaweedFS (S3) and the root
+relay. Each receiver region is a namespace joined to it by a veth pair shaped with tc tbf
+(default 100 Mbit/s each way): the inter-region links. Scenarios, each from the same
+weights, timed from the end of the optimizer step to the last receiver's verified apply:
+
+  dense-s3   every receiver downloads the full safetensors checkpoint from S3
+  dcr-s3     every receiver follows S3 directly (each pulls the delta across its link)
+  dcr-relay  a relay per region (parent: the root relay, then S3); receivers attach to it
+  dcr-relay-1  the same tree with a single receiver (the 1.3x reference)
+
+Bytes on each inter-region link are read from the veth counters (what really crossed).
+Then one relay's serving rate on loopback (cached parts to concurrent clients). Every
+receiver's weights are compared with the sender's dense BF16 weights (the oracle: xxh3-128
+of every tensor's bits, so the check itself sends nothing over the shaped links).
+
+Needs root (ip netns, tc). Writes benchmarks/results/relay.json with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_dcr_callback.bench_refit import ShapedLink
+
+TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
+
+
+# ------------------------------------------------------------------ receiver (in a region)
+def receiver_main(args: list[str]) -> int:
+    import argparse
+
+    from safetensors.torch import load, load_file
+
+    from nemo_dcr_callback import codec
+    from nemo_dcr_callback.receiver import Follower
+    from nemo_dcr_callback.transport.store import open_store
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--dense-url", required=True)
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--versions", type=int, default=0)
+    ap.add_argument("--id", required=True)
+    a = ap.parse_args(args)
+    torch.set_num_threads(1)
+    tensors = {k: v.clone() for k, v in load_file(a.init).items()}
+
+    def out(d: dict) -> None:
+        print(json.dumps(d), flush=True)
+
+    if a.versions:  # DCR: follow the store (or relay chain), then report the bits held
+        store = open_store(a.url)
+        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005)
+        out({"ready": True, "cpu_s": time.process_time()})
+        f.follow(until=a.versions, timeout=600, on_apply=lambda x: out(
+            {"version": x.version, "t_applied": time.time(), "fetch_s": x.fetch_s, "apply_s": x.apply_s,
+             "wait_s": x.wait_s, "cpu_s": time.process_time()}))
+    else:  # dense: download the full checkpoint from S3 and load it
+        out({"ready": True})
+        dense_store = open_store(a.dense_url)
+        while not dense_store.exists("dense/READY.json"):
+            time.sleep(0.005)
+        for k, t in load(dense_store.get("dense/model.safetensors")).items():
+            tensors[k].copy_(t)
+        out({"dense_t_loaded": time.time()})
+    out({"digests": {k: codec.tensor_digest(t) for k, t in tensors.items()}})
+    return 0
+
+
+class _Proc:
+    """A child process printing JSON lines."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path):
+        self.log = open(log, "w+")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for x in self.p.stdout:
+            if x.startswith("{"):
+                self.lines.put(json.loads(x))
+            elif "listening on" in x:
+                self.lines.put({"listening": x.split("listening on ")[1].split()[0]})
+
+    def next(self, timeout: float = 900.0) -> dict:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            self.log.seek(0)
+            raise RuntimeError(f"{self.p.args[:6]} stopped answering: {self.log.read()[-2000:]}") from None
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+def _in_ns(ns: str | None, cmd: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", ns, *cmd] if ns else cmd
+
+
+def _relay(ns, host, parent, name, env, work) -> tuple[_Proc, str]:
+    p = _Proc(_in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
+                          "--listen", f"{host}:0", "--poll-ms", "5"]), env, work / f"relay-{name}.log")
+    return p, p.next(60)["listening"]
+
+
+# ------------------------------------------------------------------ relay serving rate (loopback)
+def _client_main(args: list[str]) -> int:
+    """A lean HTTP client (keep-alive, bodies read into one reused buffer), so the figure is
+    the relay's rate, not the client's parsing."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url, keys, reps = args[0], json.loads(args[1]), int(args[2])
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port)
+    hdr = {"Authorization": f"Bearer {os.environ[TOKEN_ENV]}"}
+    buf = memoryview(bytearray(64 << 20))
+    n = 0
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for k in keys:
+            conn.request("GET", f"/o/{k}", headers=hdr)
+            r = conn.getresponse()
+            if r.status != 200:
+                raise RuntimeError(f"GET {k}: HTTP {r.status}")
+            want, got = int(r.headers["Content-Length"]), 0
+            while got < want:
+                m = r.readinto(buf[got:want])
+                if not m:
+                    raise RuntimeError(f"GET {k}: short body")
+                got += m
+            n += got
+    print(json.dumps({"bytes": n, "s": time.perf_counter() - t0}), flush=True)
+    return 0
+
+
+def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, clients: int = 2,
+                     reps: int = 4) -> dict:
+    """One relay serving cached objects to concurrent clients over loopback: MB/s out. The
+    serving path is the same for every object (cache lookup, at-rest checksum, response);
+    chunk verification happens once, on the way in, so plain objects stand in for parts."""
+    from nemo_dcr_callback.transport.store import FileStore
+
+    origin = FileStore(work / "loopback-origin")
+    keys = [f"bench/part-{i:04d}.bin" for i in range(parts)]
+    for k in keys:
+        origin.put(k, os.urandom(part_mb << 20), durable=False)
+    proc, url = _relay(None, "127.0.0.1", origin.url, "loopback", env, work)
+    try:
+        base = "http://" + url.split("//")[1]
+        warm = subprocess.run([sys.executable, "-m", "nemo_dcr_callback.bench_relay", "client", base,
+                               json.dumps(keys), "1"], env=env, capture_output=True, text=True, check=True)
+        json.loads(warm.stdout)
+        cs = [subprocess.Popen([sys.executable, "-m", "nemo_dcr_callback.bench_relay", "client", base,
+                                json.dumps(keys), str(reps)], env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(clients)]
+        t0 = time.perf_counter()
+        outs = [json.loads(c.communicate()[0]) for c in cs]
+        wall = time.perf_counter() - t0
+    finally:
+        proc.kill()
+    total = sum(o["bytes"] for o in outs)
+    return {"clients": clients, "bytes": total, "wall_s": wall, "MB_per_s": total / wall / 1e6,
+            "part_bytes": part_mb << 20}
+
+
+# ------------------------------------------------------------------ the run
+def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 3,
+        json_path: str | None = None, seed: int = 0) -> dict:
+    from safetensors.torch import save, save_file
+
+    from nemo_dcr_callback import codec, commit, synthetic
+    from nemo_dcr_callback.sender import TensorSender
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    t_start = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
+    print(f"nemo-dcr bench relay: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
+    policy = synthetic.make_policy(params, seed=seed)
+    lr = policy.lr_for_rate(rate)
+    cur = policy.bf16()
+    dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
+    work = Path(tempfile.mkdtemp(prefix="nemo-dcr-relay."))
+    token = os.urandom(16).hex()
+    scen_rows = []
+    with ShapedLink(mbit, "10.78.1", "a") as la, ShapedLink(mbit, "10.78.2", "b") as lb, \
+            SeaweedS3(work / "s3", ip=la.ip_a) as s3:
+        links = {"a": la, "b": lb}
+        env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
+        env.pop("NEMO_DCR_RELAY_FAULT", None)
+        print(f"2 regions x {per_region} receivers, inter-region links {mbit:.0f} Mbit/s each (tbf), model "
+              f"{dense_bytes / 1e9:.2f} GB BF16, change {100 * rate:.0f}%, S3 = SeaweedFS at {s3.endpoint}", flush=True)
+
+        def scenario(name: str, regions: dict[str, int]) -> dict:
+            nonlocal cur
+            prefix = f"{s3.bucket}/{name}"
+            store = s3.store(name)
+            init = work / f"init-{name}.safetensors"
+            save_file(cur, str(init))
+            procs: list[_Proc] = []
+            rx: list[_Proc] = []
+            try:
+                root_url = None
+                if name.startswith("dcr-relay"):
+                    p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work)
+                    procs.append(p)
+                for region, n in regions.items():
+                    link = links[region]
+                    if not n:
+                        continue
+                    url = s3.url(prefix)
+                    if root_url:
+                        p, rurl = _relay(link.ns, link.ip_b, f"{root_url},{s3.url(prefix)}", f"region-{region}",
+                                         env, work)
+                        procs.append(p)
+                        url = f"{rurl},{root_url},{s3.url(prefix)}"
+                    for i in range(n):
+                        rx.append(_Proc(_in_ns(link.ns, [
+                            sys.executable, "-m", "nemo_dcr_callback.bench_relay", "receiver", "--url", url,
+                            "--dense-url", s3.url(prefix), "--init", str(init), "--id", f"{region}-{i}",
+                            "--versions", "0" if name == "dense-s3" else str(versions)]),
+                            env, work / f"rx-{name}-{region}-{i}.log"))
+                cpu = [r.next(120).get("cpu_s", 0.0) for r in rx]
+                procs += rx
+                before = {k: link.tx_rx() for k, link in links.items()}
+                rows = []
+                sender = TensorSender(cur)
+                for v in range(1, (0 if name == "dense-s3" else versions) + 1):
+                    policy.step(lr)
+                    cur = policy.bf16()
+                    t0 = time.time()
+                    sender.tensors = cur
+                    taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
+                    rec = commit.seal_version(store, v, v - 1, 1)
+                    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
+                    if d["decision"] != "commit":
+                        raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
+                    sender.commit()
+                    got = [r.next() for r in rx]
+                    ends = sorted(g["t_applied"] - t0 for g in got)
+                    rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, cpu, strict=True))
+                    cpu = [g["cpu_s"] for g in got]
+                    rows.append({"version": v, "delta_bytes": m["bytes"], "first_s": ends[0], "last_s": ends[-1],
+                                 "acked": len(d["acked"]), "receiver_cpu_s": rx_cpu,
+                                 "fetch_s": [g["fetch_s"] for g in got], "apply_s": [g["apply_s"] for g in got],
+                                 "commit_wait_s": [g["wait_s"] for g in got]})
+                    print(f"  {name}: version {v}: {m['bytes'] / 1e6:.2f} MB, first receiver {ends[0]:.2f} s, "
+                          f"last of {len(rx)} {ends[-1]:.2f} s; receivers used {rx_cpu:.2f} CPU-s", flush=True)
+                dense_last = None
+                if name == "dense-s3":
+                    t0 = time.time()
+                    store.put("dense/model.safetensors", save(cur))
+                    store.put("dense/READY.json", b"{}")
+                    dense_last = max(r.next()["dense_t_loaded"] for r in rx) - t0
+                # the oracle: every receiver's bits against the sender's dense BF16 weights
+                want = {k: codec.tensor_digest(t) for k, t in cur.items()}
+                bad = [i for i, r in enumerate(rx) if r.next()["digests"] != want]
+                exact = not bad
+                if bad:
+                    raise RuntimeError(f"{name}: receivers {bad} differ from the dense weights")
+                after = {k: link.tx_rx() for k, link in links.items()}
+            finally:
+                for p in procs:
+                    p.kill()
+            nv = max(1, len(rows))
+            if name == "dense-s3":
+                link_bytes = {k: after[k][0] - before[k][0] for k in links}
+                res = {"scenario": name, "receivers": len(rx), "time_s": dense_last, "bytes_per_version": dense_bytes,
+                       "link_bytes_per_version": link_bytes, "bit_exact": exact}
+                print(f"  {name}: last of {len(rx)} receivers loaded {dense_last:.1f} s after the step", flush=True)
+            else:
+                link_bytes = {k: (after[k][0] - before[k][0]) / nv for k in links}
+                payload = statistics.median(r["delta_bytes"] for r in rows)
+                res = {"scenario": name, "receivers": len(rx), "rows": rows, "bit_exact": exact,
+                       "time_s": statistics.median(r["last_s"] for r in rows),
+                       "first_s": statistics.median(r["first_s"] for r in rows),
+                       "receiver_cpu_s": statistics.median(r["receiver_cpu_s"] for r in rows),
+                       "bytes_per_version": payload, "link_bytes_per_version": link_bytes,
+                       "link_x_payload": {k: b / payload for k, b in link_bytes.items()}}
+            scen_rows.append(res)
+            return res
+
+        scenario("dense-s3", {"a": per_region, "b": per_region})
+        scenario("dcr-s3", {"a": per_region, "b": per_region})
+        scenario("dcr-relay", {"a": per_region, "b": per_region})
+        scenario("dcr-relay-1", {"a": 1, "b": 0})
+    print("  relay serving rate on loopback ...", flush=True)
+    tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
+    by = {r["scenario"]: r for r in scen_rows}
+    res = {"benchmark": "relay", "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
+           "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
+           "relay_loopback": tput, "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"],
+           "machine": f"{os.cpu_count()} cores, no GPU", "wall_s": time.time() - t_start}
+    print(f"\n{'scenario':<12} {'recv':>4} {'time s':>8} {'MB/version':>11} {'link A MB':>10} {'link B MB':>10} "
+          f"{'A x payload':>12} {'recv CPU-s':>11}")
+    for r in scen_rows:
+        lb = r["link_bytes_per_version"]
+        xp = r.get("link_x_payload", {}).get("a")
+        cpu = r.get("receiver_cpu_s")
+        print(f"{r['scenario']:<12} {r['receivers']:>4} {r['time_s']:8.2f} {r['bytes_per_version'] / 1e6:11.2f} "
+              f"{lb['a'] / 1e6:10.2f} {lb['b'] / 1e6:10.2f} {'' if xp is None else f'{xp:11.2f}x':>12} "
+              f"{'' if cpu is None else f'{cpu:11.2f}'}")
+    print(f"relay tree: all {2 * per_region} receivers in {by['dcr-relay']['time_s']:.2f} s vs one in "
+          f"{by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
+          f"inter-region bytes per version {by['dcr-relay']['link_x_payload']['a']:.2f}x / "
+          f"{by['dcr-relay']['link_x_payload']['b']:.2f}x the payload (target 1x); "
+          f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (target >= 800)")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "receiver":
+        sys.exit(receiver_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "client":
+        sys.exit(_client_main(sys.argv[2:]))
+    run()
