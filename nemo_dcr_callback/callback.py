@@ -45,6 +45,7 @@ class DCRConfig:
     quorum: float = 0.5  # quorum policy: fraction of registered receivers that must ack
     keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
     part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, as soon as full
+    baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
 
 
 class DCRCallback(Callback):
@@ -52,16 +53,21 @@ class DCRCallback(Callback):
                  every_n_steps: int = 1, max_pending_bytes: int = 1 << 30, chunk_span: int = 1 << 24,
                  zstd_level: int = 1, keyframe: bool = True, verify: bool = False, seal_timeout: float = 600.0,
                  commit_policy: str = "quorum", ack_timeout: float = 60.0, quorum: float = 0.5,
-                 keyframe_every: int = 0, part_bytes: int = 4 << 20, **unknown):
+                 keyframe_every: int = 0, part_bytes: int = 4 << 20, baseline: str = "gpu", **unknown):
         if unknown:
             raise TypeError(f"DCRCallback: unknown options {sorted(unknown)} (see configs/dcr.yaml)")
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         from nemo_dcr_callback.commit import CommitPolicy
+        from nemo_dcr_callback.cuda_kernels import check_baseline_option
 
+        try:
+            check_baseline_option(baseline)
+        except ValueError as exc:
+            raise ValueError(f"DCRCallback: {exc}") from None
         self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
                              keyframe, verify, seal_timeout, commit_policy, ack_timeout, quorum, keyframe_every,
-                             part_bytes)
+                             part_bytes, baseline)
         self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)  # validates the options now
         self.publisher = None
         self.steps = 0
@@ -116,7 +122,7 @@ class DCRCallback(Callback):
         self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
                                    max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
                                    level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout, policy=self.policy,
-                                   part_bytes=self.cfg.part_bytes)
+                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline)
         self._family, self._vocab_n, self._model_ref = family, vocab, model
         if rank == 0:
             print(f"dcr: publishing to {store.url} every {self.cfg.every_n_steps} step(s) "

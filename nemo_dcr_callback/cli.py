@@ -5,7 +5,8 @@
   nemo-dcr stats DELTA [--json]       size, change rate, information bound
   nemo-dcr bench codec [...]          codec benchmark (table + JSON)
   nemo-dcr demo                       diff/patch round trip on a synthetic policy
-  nemo-dcr build-kernels              compile the CPU kernels
+  nemo-dcr bench cuda [...]           CUDA kernels vs the CPU reference, timed vs a copy (GPU)
+  nemo-dcr build-kernels [--cuda]     compile the CPU kernels (and the CUDA ones with nvcc)
   nemo-dcr relay --parent URL         a relay node of the fan-out tree
   nemo-dcr receive --store URL ...    a receiver following a store or relay
 """
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="store URL (file:///path, s3://bucket/prefix[?endpoint=URL], relay://host:port; "
                          "comma-separated: a failover chain, nearest first)")
     rc.add_argument("--topology", default=None, help="relay tree config (YAML, docs/RELAY.md); with --attach")
-    rc.add_argument("--attach", default=None, help="the relay (by name in --topology) this receiver attaches to")
+    rc.add_argument("--attach", default=None,
+                    help="the relay (name in --topology) this receiver attaches to; 'auto': the fastest to answer")
     rc.add_argument("--id", default=None, help="receiver id: register, ack versions, take part in the joint commit")
     rc.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
     rc.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
@@ -147,7 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--params", type=_positive, default=1 << 24, help="with --files")
     de.add_argument("--change-rate", type=float, default=0.03, help="with --files")
 
-    sub.add_parser("build-kernels", help="compile the CPU kernels (done by make setup)")
+    bcu = bsub.add_parser("cuda", help="CUDA kernels: check vs the CPU reference, time vs a device copy (GPU)")
+    bcu.add_argument("--sizes-mib", default="256,1024", help="timed input sizes in MiB, comma-separated")
+    bcu.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
+    bcu.add_argument("--reps", type=_positive, default=10, help="timed repetitions (median)")
+    bcu.add_argument("--json", default=None, help="results file (default: $OUT/cuda.json or benchmarks/results/)")
+    bcu.add_argument("--skip-check", action="store_true", help="timings only")
+
+    bk = sub.add_parser("build-kernels", help="compile the CPU kernels (done by make setup)")
+    bk.add_argument("--cuda", action="store_true", help="also build the CUDA kernels (nvcc; no GPU needed)")
     return p
 
 
@@ -185,7 +195,12 @@ def _receive_store(args) -> str:
         from nemo_dcr_callback.transport.topology import Topology
         if not args.attach:
             raise ValueError("--topology needs --attach RELAY (the relay this receiver attaches to)")
-        return Topology.load(args.topology).attach(args.attach)
+        topo = Topology.load(args.topology)
+        name = topo.nearest() if args.attach == "auto" else args.attach
+        if name not in topo.nodes:
+            raise ValueError(f"no relay {name!r} in {args.topology} (has {', '.join(topo.nodes)})")
+        print(f"receiver: attached to relay {name}", flush=True)
+        return topo.attach(name)
     if not args.store:
         raise ValueError("give --store URL, or --topology FILE --attach RELAY")
     return args.store
@@ -263,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                 s3.proc.wait()
             except KeyboardInterrupt:
                 s3.stop()
+        elif args.cmd == "bench" and args.bench == "cuda":
+            from nemo_dcr_callback import bench_cuda
+            return bench_cuda.run([int(x) for x in args.sizes_mib.split(",") if x],
+                                  [float(x) for x in args.rates.split(",") if x], args.reps, args.json,
+                                  check=not args.skip_check)
         elif args.cmd == "bench" and args.bench == "placement":
             return _torchrun(args.tp * args.pp, "nemo_dcr_callback.placement.bench",
                              ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
@@ -287,6 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "build-kernels":
             from nemo_dcr_callback import kernels
             print(kernels.build(verbose=True))
+            if args.cuda:
+                import subprocess
+
+                from nemo_dcr_callback import cuda_kernels
+                try:
+                    print(cuda_kernels.build(verbose=True))
+                except (RuntimeError, subprocess.CalledProcessError) as exc:
+                    print(f"nemo-dcr build-kernels: error: {exc}", file=sys.stderr)
+                    return 2
     except (DeltaError, codec.ChunkError, CheckpointError, FileExistsError, ValueError) as exc:
         print(f"nemo-dcr {args.cmd}: error: {exc}", file=sys.stderr)
         return 2

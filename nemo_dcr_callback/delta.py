@@ -97,7 +97,12 @@ def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | Non
 
     keep_new also returns the new values at the changed positions, which the encoder
     needs for ulp coding (written in the same pass, so the encoder does no gather).
+    CUDA shards go to the CUDA kernel (cuda_kernels.take_delta_cuda: device outputs).
     """
+    if current.is_cuda:
+        from nemo_dcr_callback import cuda_kernels
+
+        return cuda_kernels.take_delta_cuda(current, baseline, keep_new=keep_new)
     lib = kernels.native()
     if lib is None:
         return take_delta_reference(current, baseline, keep_new)
@@ -124,7 +129,14 @@ OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
 
 
 def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:
-    """target[positions] (^=, =, ulp+=) values, in place. Positions are validated first."""
+    """target[positions] (^=, =, ulp+=) values, in place. Positions are validated first.
+    A CUDA target goes to the CUDA kernel (positions and values may be on the host)."""
+    if target.is_cuda:
+        from nemo_dcr_callback import cuda_kernels
+
+        return cuda_kernels.scatter_cuda(target, positions, values, op)
+    if positions.is_cuda or values.is_cuda:  # a host target (a pinned baseline), deltas on a GPU
+        positions, values = positions.cpu(), values.cpu()
     t = bits(target)
     values = values.contiguous().view(t.dtype) if values.dtype != t.dtype else values.contiguous()
     lib = kernels.native()

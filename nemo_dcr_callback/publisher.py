@@ -231,7 +231,7 @@ class Publisher:
                  world: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
                  max_pending_bytes: int = 1 << 30, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
                  seal_timeout: float = 600.0, base_version: int = 0, worker: str = "process", nice: int = 19,
-                 policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20):
+                 policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20, baseline: str = "gpu"):
         import torch.distributed as dist
 
         self.store = open_store(store) if isinstance(store, str) else store
@@ -245,7 +245,7 @@ class Publisher:
             except (ImportError, AssertionError, AttributeError):
                 dp_rank, dp_size = 0, 1
         self.placement = build_placement(model, family, vocab_size, dp_rank=dp_rank, dp_size=dp_size)
-        self.sender = ShardSender(self.placement, span=span, level=level)
+        self.sender = ShardSender(self.placement, span=span, level=level, baseline=baseline)
         self.policy = policy or commit.CommitPolicy()
         self._index = {id(pm): i for i, pm in enumerate(self.placement.params)}
         self.max_pending = max_pending_bytes

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr_callback import codec, digest
+from nemo_dcr_callback import codec, cuda_kernels, digest
 from nemo_dcr_callback.delta import Scratch, SparseDelta, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
@@ -33,6 +33,18 @@ class StepStats:
     per_tensor: dict[str, int] = field(default_factory=dict)  # canonical name -> changed
 
 
+def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_kernels.SideStream) -> SparseDelta:
+    """CPU shards: the compiled CPU kernel. CUDA shards: the CUDA kernel on a side stream, the
+    compacted output in pinned host memory (ready to encode when this returns)."""
+    if cur.is_cuda:
+        return side.take(cur, base)
+    return take_delta(cur, base, keep_new=True, scratch=scratch)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu() if t.is_cuda else t
+
+
 def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
     """This rank's slice of a parameter as canonical values (the residual conversion)."""
     x = pm.param.detach().reshape(-1)[pm.lo:pm.hi]
@@ -42,7 +54,8 @@ def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
 
 
 class ShardSender:
-    def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1):
+    def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
+                 baseline: str = "gpu"):
         self.placement = placement
         self.span, self.level = span, level
         self.active = [pm for pm in placement.params if pm.hi > pm.lo]
@@ -54,6 +67,17 @@ class ShardSender:
                 self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
         self._undo: list[tuple[str, SparseDelta]] = []
         self._scratch = Scratch()
+        self._side = cuda_kernels.SideStream()
+        self.use_baseline(baseline)
+
+    def use_baseline(self, where: str) -> None:
+        """Where the baselines of CUDA shards live: "gpu", or "pinned" host memory that the
+        kernel reads and writes through UVA (no GPU memory held; the pass is PCIe-bound)."""
+        cuda_kernels.check_baseline_option(where)
+        for pm in self.active:
+            if pm.param.is_cuda:
+                like = None if pm.residual else self._current(pm)
+                self.baselines[pm.name] = cuda_kernels.place_baseline(self.baselines[pm.name], where, like)
 
     def _current(self, pm: ParamMap) -> torch.Tensor:
         if pm.residual:
@@ -65,8 +89,7 @@ class ShardSender:
         owned slice (baselines move to the current bits; the deltas join the undo log)."""
         taken = []
         for pm in self.active:
-            d = take_delta(self._current(pm).contiguous(), self.baselines[pm.name], keep_new=True,
-                           scratch=self._scratch)
+            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side)
             self._undo.append((pm.name, d))
             taken.append((pm, d))
         return taken
@@ -131,7 +154,7 @@ class ShardSender:
         the tensor's digest. O(shard) once at start; versions update them from their changes."""
         out: dict[str, int] = {}
         for pm in self.active:
-            base = self.baselines[pm.name]
+            base = _host(self.baselines[pm.name])
             for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
                 vals = torch.cat([base[a:b] for a, b in pr.parts])
                 out[pr.name] = (out.get(pr.name, 0) + digest.sum64(vals, pr.positions)) & digest.MASK
@@ -155,15 +178,19 @@ class TensorSender:
     the link benchmark and tests; the training path is ShardSender + Publisher."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
-                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1):
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu"):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
         self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
-        self.digests = {n: digest.sum64(b) for n, b in self.baselines.items()}
+        cuda_kernels.check_baseline_option(baseline)
+        self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
+                          if b.is_cuda else b for n, b in self.baselines.items()}
+        self.digests = {n: digest.sum64(_host(b)) for n, b in self.baselines.items()}
         self._scratch = Scratch()
+        self._side = cuda_kernels.SideStream()
 
     def take(self) -> list[tuple[str, SparseDelta]]:
-        return [(n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True, scratch=self._scratch))
+        return [(n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side))
                 for n, t in self.tensors.items()]
 
     def stream(self, store, v: int, base: int, part_bytes: int = 4 << 20) -> tuple[list, dict]:
@@ -174,8 +201,7 @@ class TensorSender:
 
         def lazily():
             for n, t in self.tensors.items():
-                taken.append((n, take_delta(t.detach().reshape(-1), self.baselines[n], keep_new=True,
-                                            scratch=self._scratch)))
+                taken.append((n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side)))
                 yield taken[-1]
 
         m = self.write(store, v, base, lazily(), part_bytes=part_bytes)

@@ -1,0 +1,480 @@
+// nemo-dcr CUDA kernels: the fused delta pass and the receiver's scatter, with the same
+// contract and output as cuda_ext/cpu/dcr_cpu.cpp (the reference). Plain C ABI over device
+// pointers (loaded with ctypes; no torch headers), a caller-provided workspace (nothing is
+// allocated here, so the hot path never calls cudaMalloc) and a caller's stream. Results
+// that only the device knows (the count, a refusal) are written to `result`, device memory
+// or pinned host memory, so the caller decides when to synchronize. docs/CUDA.md has the design.
+//
+// Conventions as in the CPU library: `width` is the element size in bytes (1, 2, 4, 8);
+// elements are raw bit patterns; positions are int32 (pos64 == 0) or int64, strictly
+// increasing. Host functions return 0 (or a size) on success and < 0 on refusal:
+//   -9 bad width or op, -8 workspace or capacity too small, -7 misaligned pointer,
+//   -6 memory the device cannot reach, <= -1000: CUDA error (-1000 - cudaError_t).
+// The scatter's refusals of its input (found on the device) go to result[0]: -4 positions
+// not strictly increasing (or negative), -2 a position >= n, as dcr_scatter returns them.
+
+#ifndef DCR_EMULATE
+#include <cuda_runtime.h>
+#endif
+// With -DDCR_EMULATE -include cuda_emu.h the same kernels build with g++ and run on CPU
+// threads (tests/test_cuda_ext.py checks their logic against the CPU reference without a GPU).
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kBlock = 256;  // threads per block
+constexpr int kWarps = kBlock / 32;
+constexpr int kVecs = 4;  // vectors per thread and tile: independent loads in flight
+constexpr unsigned kFull = 0xffffffffu;
+constexpr unsigned long long kFlagA = 1ull << 62;  // tile status: aggregate of the tile alone
+constexpr unsigned long long kFlagP = 2ull << 62;  // tile status: inclusive prefix
+constexpr unsigned long long kValue = (1ull << 62) - 1;
+constexpr int64_t kHeader = 16;                     // delta workspace: counter, overflow flag
+constexpr int64_t kMinTile = int64_t(kBlock) * kVecs;  // elements of the smallest tile (scalar path)
+constexpr int kApplyItems = 4;                       // changes per thread in the scatter
+
+constexpr int kErrWidth = -9, kErrSpace = -8, kErrAlign = -7, kErrPointer = -6, kErrCuda = -1000;
+
+int cuda_status(cudaError_t e) { return e == cudaSuccess ? 0 : kErrCuda - static_cast<int>(e); }
+
+// Every launch goes through here (the emulation runs kernels on CPU threads instead).
+template <class... KArgs, class... Args>
+int launch(void (*kernel)(KArgs...), int64_t grid, int block, cudaStream_t stream, Args... args) {
+#ifdef DCR_EMULATE
+  (void)stream;
+  dcr_emu::launch(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(block), static_cast<KArgs>(args)...);
+  return 0;
+#else
+  kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(static_cast<KArgs>(args)...);
+  return cuda_status(cudaGetLastError());
+#endif
+}
+
+// ---------------------------------------------------------------- element types
+template <bool C, class A, class B>
+struct If { using type = A; };
+template <class A, class B>
+struct If<false, A, B> { using type = B; };
+
+template <class T>
+struct Signed;
+template <> struct Signed<unsigned char> { using type = signed char; };
+template <> struct Signed<unsigned short> { using type = short; };
+template <> struct Signed<unsigned int> { using type = int; };
+template <> struct Signed<unsigned long long> { using type = long long; };
+
+// A vector of VB bytes holding E = VB / sizeof(T) elements: 16-byte loads (uint4) on the fast
+// path, one element per "vector" on the scalar path (pointers of different 16-byte phase).
+template <class T, int VB>
+struct Pack {
+  static constexpr int E = VB / static_cast<int>(sizeof(T));
+  using V = typename If<VB == 16, uint4, T>::type;
+  union {
+    V v;
+    T e[E];
+  };
+};
+
+// ---------------------------------------------------------------- ulp transform (as dcr_cpu.cpp)
+template <class T>
+__device__ __forceinline__ T fkey(T b) {
+  using S = typename Signed<T>::type;
+  constexpr T sign = static_cast<T>(T(1) << (8 * sizeof(T) - 1));
+  return static_cast<T>(b ^ (static_cast<T>(static_cast<S>(b) >> (8 * sizeof(T) - 1)) | sign));
+}
+template <class T>
+__device__ __forceinline__ T funkey(T k) {
+  using S = typename Signed<T>::type;
+  constexpr T sign = static_cast<T>(T(1) << (8 * sizeof(T) - 1));
+  return static_cast<T>(k ^ (static_cast<T>(~(static_cast<S>(k) >> (8 * sizeof(T) - 1))) | sign));
+}
+template <class T>
+__device__ __forceinline__ T unzigzag(T z) {
+  return static_cast<T>((z >> 1) ^ static_cast<T>(-static_cast<T>(z & 1)));
+}
+
+// ---------------------------------------------------------------- tile status (look-back)
+__device__ __forceinline__ unsigned long long load_status(const unsigned long long* p) {
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+__device__ __forceinline__ void store_status(unsigned long long* p, unsigned long long v) {
+  __threadfence();
+  *reinterpret_cast<volatile unsigned long long*>(p) = v;
+}
+
+// Warp 0: the exclusive prefix of `tile` from its predecessors' statuses, 32 at a time (lane l
+// reads tile - 1 - l), stopping at the nearest inclusive prefix (decoupled look-back).
+__device__ __forceinline__ int64_t look_back(const unsigned long long* status, int64_t tile, int lane) {
+  int64_t excl = 0;
+  for (int64_t idx = tile - 1;; idx -= 32) {
+    const int64_t my = idx - lane;
+    unsigned long long s;
+    while (true) {
+      s = my >= 0 ? load_status(status + my) : kFlagP;  // before tile 0: an inclusive prefix of 0
+      if (!__any_sync(kFull, (s >> 62) == 0)) break;
+      __nanosleep(32);
+    }
+    const unsigned p = __ballot_sync(kFull, (s >> 62) == 2);
+    unsigned long long v = s & kValue;
+    if (p && lane > __ffs(p) - 1) v = 0;  // only up to the nearest inclusive prefix
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    excl += static_cast<int64_t>(v);
+    if (p) return excl;
+  }
+}
+
+// ---------------------------------------------------------------- delta pass
+// One tile = kBlock threads x kVecs vectors x E elements, loaded warp-striped (vector v of
+// thread t at v * kBlock + t: each load instruction is coalesced). The logical index j covers
+// [lo, hi) = [shift, n + shift) from a 16-byte aligned base, so every vector load is aligned.
+// Element order inside a tile is (v, t, e), ascending in j, so ranks from one block scan of
+// the four per-vector counts (packed in 16-bit lanes of a u64) give stable ascending output.
+// Tiles take their ids from an atomic counter (in the order they start, so the look-back only
+// waits on running tiles) and find their output offset by decoupled look-back: one pass.
+//
+// cap bounds the outputs: a tile whose changes do not fit writes nothing and leaves its
+// baseline untouched, and so does every later one; result = {changes written, elements done
+// from the start}. The caller resumes at `done` (see cuda_kernels.take_delta_cuda).
+template <class T, class I, int VB>
+__global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur, T* __restrict__ base,
+                                                       int64_t lo, int64_t hi, I* __restrict__ pos,
+                                                       T* __restrict__ val, T* __restrict__ newv, int64_t cap,
+                                                       unsigned long long* ws, int64_t ntiles,
+                                                       int64_t* __restrict__ result) {
+  using P = Pack<T, VB>;
+  constexpr int E = P::E;
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
+  unsigned long long* counter = ws;
+  int* overflow = reinterpret_cast<int*>(ws + 1);
+  unsigned long long* status = ws + 2;
+
+  __shared__ int64_t s_tile, s_excl;
+  __shared__ int s_skip;
+  __shared__ unsigned long long s_warp[kWarps], s_total;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+
+  if (t == 0) {
+    s_tile = static_cast<int64_t>(atomicAdd(counter, 1ull));
+    s_skip = *reinterpret_cast<volatile int*>(overflow);
+  }
+  __syncthreads();
+  const int64_t tile = s_tile;
+  if (s_skip) {  // an earlier tile overflowed cap: this one would too; unblock the later ones
+    if (t == 0) store_status(status + tile, kFlagP | static_cast<unsigned long long>(cap + 1));
+    return;
+  }
+
+  const int64_t j0 = tile * kTile;
+  const bool inner = j0 >= lo && j0 + kTile <= hi;
+  P c[kVecs], b[kVecs];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+    if (j < hi) {  // a partial first or last vector stays inside its aligned 16 bytes
+      c[v].v = __ldcs(reinterpret_cast<const typename P::V*>(cur + j));
+      b[v].v = *reinterpret_cast<const typename P::V*>(base + j);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) c[v].e[e] = b[v].e[e] = T(0);
+    }
+  }
+  unsigned m[kVecs];
+  unsigned long long packed = 0;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+    unsigned mv = 0;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const bool in = inner || (j + e >= lo && j + e < hi);
+      mv |= static_cast<unsigned>(in && (c[v].e[e] != b[v].e[e])) << e;
+    }
+    m[v] = mv;
+    packed += static_cast<unsigned long long>(__popc(mv)) << (16 * v);  // <= 16 * kBlock per lane
+  }
+
+  // Block-wide exclusive scan of the packed counts.
+  unsigned long long x = packed;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned long long w = lane < kWarps ? s_warp[lane] : 0;
+    unsigned long long wi = w;
+#pragma unroll
+    for (int o = 1; o < kWarps; o <<= 1) {
+      const unsigned long long y = __shfl_up_sync(kFull, wi, o);
+      if (lane >= o) wi += y;
+    }
+    if (lane < kWarps) s_warp[lane] = wi - w;
+    if (lane == kWarps - 1) s_total = wi;
+  }
+  __syncthreads();
+  const unsigned long long excl_t = x - packed + s_warp[warp];
+  const unsigned long long total = s_total;
+  int64_t count = 0;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) count += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
+
+  // The tile's output offset: publish the aggregate, look back, publish the inclusive prefix.
+  if (warp == 0) {
+    int64_t excl = 0;
+    if (tile == 0) {
+      if (lane == 0) store_status(status, kFlagP | static_cast<unsigned long long>(count));
+    } else {
+      if (lane == 0) store_status(status + tile, kFlagA | static_cast<unsigned long long>(count));
+      excl = look_back(status, tile, lane);
+      if (lane == 0) store_status(status + tile, kFlagP | static_cast<unsigned long long>(excl + count));
+    }
+    if (lane == 0) s_excl = excl;
+  }
+  __syncthreads();
+  const int64_t excl = s_excl;
+
+  if (excl + count > cap) {  // does not fit: write nothing; the first such tile reports
+    if (t == 0 && excl <= cap) {
+      result[0] = excl;
+      result[1] = j0 > lo ? j0 - lo : 0;
+      __threadfence();
+      atomicExch(overflow, 1);
+    }
+    return;
+  }
+  if (t == 0 && tile == ntiles - 1) {
+    result[0] = excl + count;
+    result[1] = hi - lo;
+  }
+
+  int64_t r0 = excl;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    int64_t r = r0 + static_cast<int64_t>((excl_t >> (16 * v)) & 0xffff);
+    r0 += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
+    const unsigned mv = m[v];
+    if (!mv) continue;
+    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((mv >> e) & 1u) {
+        pos[r] = static_cast<I>(j + e - lo);
+        val[r] = static_cast<T>(c[v].e[e] ^ b[v].e[e]);
+        if (newv) newv[r] = c[v].e[e];
+        ++r;
+      }
+    }
+    if (j >= lo && j + E <= hi) {  // baseline <- current: the whole vector (unchanged lanes are equal)
+      *reinterpret_cast<typename P::V*>(base + j) = c[v].v;
+    } else {  // a partial vector: only its own elements
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if ((mv >> e) & 1u) base[j + e] = c[v].e[e];
+    }
+  }
+}
+
+__global__ void write_result(int64_t* result, int64_t a, int64_t b) {
+  result[0] = a;
+  result[1] = b;
+}
+
+template <class T, class I, int VB>
+int launch_delta(const void* cur, void* base, int64_t n, int64_t shift, void* pos, void* val, void* newv,
+                 int64_t cap, void* ws, int64_t ws_bytes, int64_t* result, cudaStream_t stream) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * (VB / static_cast<int>(sizeof(T)));
+  if (n == 0) return launch(write_result, 1, 1, stream, result, int64_t(0), int64_t(0));
+  const int64_t ntiles = (n + shift + kTile - 1) / kTile;
+  if (cap < (n < kTile ? n : kTile) || ntiles > 0x7fffffff) return kErrSpace;
+  if (ws_bytes < kHeader + 8 * ntiles) return kErrSpace;
+  cudaError_t e = cudaMemsetAsync(ws, 0, kHeader + 8 * ntiles, stream);
+  if (e != cudaSuccess) return cuda_status(e);
+  return launch(delta_kernel<T, I, VB>, ntiles, kBlock, stream, static_cast<const T*>(cur) - shift,
+                static_cast<T*>(base) - shift, shift, n + shift, static_cast<I*>(pos), static_cast<T*>(val),
+                static_cast<T*>(newv), cap, static_cast<unsigned long long*>(ws), ntiles, result);
+}
+
+template <class T, class I>
+int delta_width(const void* cur, void* base, int64_t n, void* pos, void* val, void* newv, int64_t cap, void* ws,
+                int64_t ws_bytes, int64_t* result, int flags, cudaStream_t stream) {
+  const auto pc = reinterpret_cast<uintptr_t>(cur), pb = reinterpret_cast<uintptr_t>(base);
+  if (pc % 16 == pb % 16 && !(flags & 1)) {
+    const int64_t shift = static_cast<int64_t>(pc % 16) / static_cast<int64_t>(sizeof(T));
+    return launch_delta<T, I, 16>(cur, base, n, shift, pos, val, newv, cap, ws, ws_bytes, result, stream);
+  }
+  return launch_delta<T, I, sizeof(T)>(cur, base, n, 0, pos, val, newv, cap, ws, ws_bytes, result, stream);
+}
+
+// ---------------------------------------------------------------- scatter
+// Two kernels: every position is checked (strictly increasing, in range) before any thread of
+// the second kernel writes, so a refused input leaves the target untouched, as on the CPU.
+template <class I>
+__global__ void __launch_bounds__(kBlock) check_kernel(const I* __restrict__ pos, int64_t count, int64_t n,
+                                                       int* err) {
+  const int64_t stride = int64_t(gridDim.x) * kBlock;
+  for (int64_t i = int64_t(blockIdx.x) * kBlock + threadIdx.x; i < count; i += stride) {
+    const int64_t p = static_cast<int64_t>(pos[i]);
+    const int64_t prev = i ? static_cast<int64_t>(pos[i - 1]) : -1;
+    if (p <= prev) atomicMin(err, -4);
+    if (i == count - 1 && p >= n) atomicMin(err, -2);
+  }
+}
+
+template <class T, class I, int Op>
+__global__ void __launch_bounds__(kBlock) apply_kernel(T* __restrict__ target, const I* __restrict__ pos,
+                                                       const T* __restrict__ vals, int64_t count, const int* err,
+                                                       int64_t* __restrict__ result) {
+  const int e = *reinterpret_cast<const volatile int*>(err);
+  if (blockIdx.x == 0 && threadIdx.x == 0) result[0] = e;
+  if (e) return;
+  const int64_t i0 = int64_t(blockIdx.x) * kBlock * kApplyItems + threadIdx.x;
+  int64_t p[kApplyItems];
+  T v[kApplyItems];
+#pragma unroll
+  for (int k = 0; k < kApplyItems; ++k) {  // all loads first: kApplyItems gathers in flight
+    const int64_t i = i0 + k * kBlock;
+    p[k] = i < count ? static_cast<int64_t>(__ldcs(pos + i)) : -1;
+    v[k] = i < count ? __ldcs(vals + i) : T(0);
+  }
+#pragma unroll
+  for (int k = 0; k < kApplyItems; ++k) {
+    if (p[k] < 0) continue;
+    T& d = target[p[k]];
+    if (Op == 0) d ^= v[k];
+    else if (Op == 1) d = v[k];
+    else d = funkey<T>(static_cast<T>(fkey<T>(d) + unzigzag<T>(v[k])));
+  }
+}
+
+template <class T, class I>
+int launch_scatter(void* target, int64_t n, const void* pos, const void* vals, int64_t count, int op, void* ws,
+                   int64_t* result, cudaStream_t stream) {
+  if (count == 0) return launch(write_result, 1, 1, stream, result, int64_t(0), int64_t(0));
+  int* err = static_cast<int*>(ws);
+  cudaError_t e = cudaMemsetAsync(err, 0, sizeof(int), stream);
+  if (e != cudaSuccess) return cuda_status(e);
+  const int64_t per = int64_t(kBlock) * kApplyItems;
+  const int64_t blocks = (count + per - 1) / per;
+  if (blocks > 0x7fffffff) return kErrSpace;
+  auto* p = static_cast<const I*>(pos);
+  int rc = launch(check_kernel<I>, blocks < 65536 ? blocks : 65536, kBlock, stream, p, count, n, err);
+  if (rc) return rc;
+  auto* t = static_cast<T*>(target);
+  auto* v = static_cast<const T*>(vals);
+  auto* e_ = static_cast<const int*>(err);
+  if (op == 0) return launch(apply_kernel<T, I, 0>, blocks, kBlock, stream, t, p, v, count, e_, result);
+  if (op == 1) return launch(apply_kernel<T, I, 1>, blocks, kBlock, stream, t, p, v, count, e_, result);
+  return launch(apply_kernel<T, I, 2>, blocks, kBlock, stream, t, p, v, count, e_, result);
+}
+
+#define DCR_DISPATCH_WIDTH(width, ...)                         \
+  switch (width) {                                             \
+    case 1: { using T = unsigned char; __VA_ARGS__; }          \
+    case 2: { using T = unsigned short; __VA_ARGS__; }         \
+    case 4: { using T = unsigned int; __VA_ARGS__; }           \
+    case 8: { using T = unsigned long long; __VA_ARGS__; }     \
+    default: return kErrWidth;                                 \
+  }
+
+bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
+
+}  // namespace
+
+extern "C" {
+
+int dcr_cuda_abi_version() { return 1; }
+
+// Workspace bytes dcr_cuda_delta needs for n elements (any width, either path).
+int64_t dcr_cuda_delta_workspace(int64_t n) {
+  if (n < 0) return kErrSpace;
+  return kHeader + 8 * ((n + 16 + kMinTile - 1) / kMinTile + 1);
+}
+
+// The smallest output capacity that always makes progress (one tile of the vector path).
+int64_t dcr_cuda_delta_min_cap(int width) {
+  if (width != 1 && width != 2 && width != 4 && width != 8) return kErrWidth;
+  return int64_t(kBlock) * kVecs * (16 / width);
+}
+
+// Workspace bytes dcr_cuda_scatter needs.
+int64_t dcr_cuda_scatter_workspace() { return 16; }
+
+// Fused delta pass on `stream`: for every i with cur[i] != base[i] (bits), in ascending order,
+// pos[k] = i, val[k] = cur[i] ^ base[i], newv[k] = cur[i] (newv optional), and base[i] = cur[i].
+// pos/val/newv have room for cap elements (cap >= min(n, dcr_cuda_delta_min_cap(width))).
+// result (2 int64, device or pinned host memory) gets {count, done}: done == n when all the
+// changes fit; else the changes of [0, done) are written, base is updated there only, and the
+// call is resumed at done. base may be pinned host memory (read and written through UVA).
+// flags: bit 0 forces the scalar (one element per load) path. Returns 0 when launched.
+int dcr_cuda_delta(const void* cur, void* base, int64_t n, int width, void* pos, int pos64, void* val, void* newv,
+                   int64_t cap, void* workspace, int64_t workspace_bytes, int64_t* result, int flags,
+                   void* stream) {
+  if (n < 0) return kErrSpace;
+  if (width != 1 && width != 2 && width != 4 && width != 8) return kErrWidth;
+  if (!aligned(cur, width) || !aligned(base, width) || !aligned(val, width) || (newv && !aligned(newv, width)) ||
+      !aligned(pos, pos64 ? 8 : 4) || !aligned(workspace, 8) || !aligned(result, 8))
+    return kErrAlign;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (pos64) {
+    DCR_DISPATCH_WIDTH(width, return delta_width<T, long long>(cur, base, n, pos, val, newv, cap, workspace,
+                                                              workspace_bytes, result, flags, s));
+  }
+  DCR_DISPATCH_WIDTH(width, return delta_width<T, int>(cur, base, n, pos, val, newv, cap, workspace,
+                                                            workspace_bytes, result, flags, s));
+}
+
+// Scatter sorted (pos, vals) into target (n elements) on `stream`: op 0 XOR, 1 overwrite,
+// 2 zig-zag ulp add (not for width 1). Every position is validated on the device before any
+// write; result[0] (device or pinned host int64) gets 0, or -4 / -2 when refused (target
+// untouched). Returns 0 when launched, < 0 for bad arguments (nothing launched).
+int dcr_cuda_scatter(void* target, int64_t n, int width, const void* pos, int pos64, const void* vals,
+                     int64_t count, int op, void* workspace, int64_t workspace_bytes, int64_t* result,
+                     void* stream) {
+  if (op < 0 || op > 2 || (op == 2 && width == 1)) return kErrWidth;
+  if (count < 0 || n < 0 || workspace_bytes < dcr_cuda_scatter_workspace()) return kErrSpace;
+  if (width != 1 && width != 2 && width != 4 && width != 8) return kErrWidth;
+  if (!aligned(target, width) || !aligned(vals, width) || !aligned(pos, pos64 ? 8 : 4) ||
+      !aligned(workspace, 8) || !aligned(result, 8))
+    return kErrAlign;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (pos64) {
+    DCR_DISPATCH_WIDTH(width, return launch_scatter<T, long long>(target, n, pos, vals, count, op, workspace, result, s));
+  }
+  DCR_DISPATCH_WIDTH(width, return launch_scatter<T, int>(target, n, pos, vals, count, op, workspace, result, s));
+}
+
+// The pointer a kernel uses for p: itself for device memory, the mapped address for pinned
+// host memory (the same under UVA). -6 for memory the device cannot reach (pageable host).
+int dcr_cuda_device_pointer(const void* p, void** out) {
+  cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it: not a sticky error
+    return cuda_status(e);
+  }
+  if (a.type == cudaMemoryTypeUnregistered || a.devicePointer == nullptr) return kErrPointer;
+  *out = a.devicePointer;
+  return 0;
+}
+
+// Text for a status code of this library.
+const char* dcr_cuda_strerror(int rc) {
+  switch (rc) {
+    case 0: return "ok";
+    case -9: return "bad width or op";
+    case -8: return "workspace or output capacity too small";
+    case -7: return "misaligned pointer";
+    case -6: return "memory the device cannot reach (pageable host memory?)";
+    case -4: return "positions not strictly increasing";
+    case -2: return "position out of range";
+    default: break;
+  }
+  if (rc <= kErrCuda) return cudaGetErrorString(static_cast<cudaError_t>(kErrCuda - rc));
+  return "unknown status";
+}
+
+}  // extern "C"

@@ -1,0 +1,384 @@
+"""The CUDA kernels (cuda_ext/cuda/dcr_cuda.cu), with and without a GPU.
+
+Without a GPU (CI): nvcc compiles the .cu with the production line; the same source built by
+g++ against cuda_emu.h runs the kernels' logic on CPU fibers through the same Python rounds
+(cuda_kernels.take_with / scatter_with), checked against the CPU reference; plus dispatch,
+build line, CLI and config checks. With a GPU (scripts/device_check.sh runs these and more):
+the real kernels against the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FLOAT_DTYPES, perturb, random_tensor
+
+from nemo_dcr_callback import cuda_kernels, delta, kernels
+from nemo_dcr_callback.delta import bits
+
+REPO = Path(__file__).resolve().parent.parent
+CUDA_DIR = REPO / "cuda_ext" / "cuda"
+GPU = torch.cuda.is_available()
+DTYPES = FLOAT_DTYPES + [torch.int8, torch.float64]
+
+
+# ------------------------------------------------------------------ nvcc compile check
+@pytest.fixture(scope="module")
+def nvcc_build(tmp_path_factory):
+    if cuda_kernels.nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("cuda") / "libdcr_cuda.so"
+    t0 = time.perf_counter()
+    cuda_kernels.build(out=out)
+    return out, time.perf_counter() - t0
+
+
+def test_nvcc_compiles_the_kernels(nvcc_build):
+    path, seconds = nvcc_build
+    assert path.stat().st_size > 0
+    print(f"nvcc build: {seconds:.1f} s")
+    # Loading and the host-side entry points need no GPU (the CUDA runtime is linked statically).
+    lib = cuda_kernels.load(path)
+    assert lib.dcr_cuda_abi_version() == cuda_kernels.ABI_VERSION
+    assert lib.dcr_cuda_delta_min_cap(2) == 256 * 4 * 8
+    assert lib.dcr_cuda_delta_min_cap(3) == -9
+    assert lib.dcr_cuda_delta_workspace(0) >= 16
+    assert lib.dcr_cuda_delta_workspace(10**6) >= 16 + 8 * (10**6 // 1024)
+
+
+def test_nvcc_library_refuses_bad_arguments_before_any_launch(nvcc_build):
+    lib = cuda_kernels.load(nvcc_build[0])
+    a = 4096  # an aligned address that is never dereferenced: every call below refuses first
+    assert lib.dcr_cuda_delta(a, a, 10, 3, a, 0, a, None, 10, a, 1000, a, 0, None) == -9  # width
+    assert lib.dcr_cuda_delta(a + 1, a, 10, 2, a, 0, a, None, 10, a, 1000, a, 0, None) == -7  # alignment
+    assert lib.dcr_cuda_delta(a, a, 100000, 2, a, 0, a, None, 10, a, 10**6, a, 0, None) == -8  # capacity
+    assert lib.dcr_cuda_delta(a, a, 100000, 2, a, 0, a, None, 100000, a, 10, a, 0, None) == -8  # workspace
+    assert lib.dcr_cuda_scatter(a, 10, 2, a, 0, a, 1, 3, a, 16, a, None) == -9  # op
+    assert lib.dcr_cuda_scatter(a, 10, 1, a, 0, a, 1, 2, a, 16, a, None) == -9  # ulp on bytes
+    assert lib.dcr_cuda_scatter(a, 10, 2, a, 0, a, 1, 0, a, 8, a, None) == -8  # workspace
+    assert lib.dcr_cuda_strerror(-8) == b"workspace or output capacity too small"
+    if not GPU:  # a launch without a driver reports a CUDA error, with its text
+        rc = lib.dcr_cuda_delta(a, a, 0, 2, a, 0, a, None, 0, a, 100, a, 0, None)
+        assert rc <= -1000 and lib.dcr_cuda_strerror(rc)
+
+
+def test_build_line():
+    cmd = cuda_kernels.nvcc_command("nvcc", Path("x.cu"), Path("x.so"))
+    line = " ".join(cmd)
+    for flag in ("-O3", "-shared", "-Xcompiler -fPIC", "-cudart static",
+                 "-gencode arch=compute_90,code=sm_90", "-gencode arch=compute_90,code=compute_90",
+                 "-gencode arch=compute_80,code=sm_80"):
+        assert flag in line
+    assert cmd[-3:] == ["x.cu", "-o", "x.so"]
+
+
+def test_library_path_follows_the_source(tmp_path, monkeypatch):
+    src = tmp_path / "dcr_cuda.cu"
+    src.write_text("// one\n")
+    monkeypatch.setattr(cuda_kernels, "SOURCE", src)
+    monkeypatch.setenv("NEMO_DCR_BUILD_DIR", str(tmp_path / "build"))
+    first = cuda_kernels.library_path()
+    assert first.parent == tmp_path / "build" and first.name.startswith("libdcr_cuda-")
+    src.write_text("// two\n")
+    assert cuda_kernels.library_path() != first
+
+
+def test_build_without_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "nvcc_path", lambda: None)
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cuda_kernels.build()
+
+
+# ------------------------------------------------------------------ the kernels on CPU fibers
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    """dcr_cuda.cu built with g++ against cuda_emu.h: the real kernel code, run on the CPU."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path_factory.mktemp("emu") / "libdcr_cuda_emu.so"
+    subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDCR_EMULATE", "-include",
+                    str(CUDA_DIR / "cuda_emu.h"), "-x", "c++", str(CUDA_DIR / "dcr_cuda.cu"), "-o", str(out)],
+                   check=True)
+    return cuda_kernels.load(out)
+
+
+def _emu_delta(lib, old, new, keep_new=True, *, offset=0, base_offset=None, **kw):
+    """take_with on host tensors placed at the given element offsets; checked against the reference."""
+    n = old.numel()
+    base_offset = offset if base_offset is None else base_offset
+    cur = torch.empty(n + offset, dtype=new.dtype)[offset:]
+    cur.copy_(new.reshape(-1))
+    base = torch.empty(n + base_offset, dtype=old.dtype)[base_offset:]
+    base.copy_(old.reshape(-1))
+    ref_base = old.reshape(-1).clone()
+    ref = delta.take_delta_reference(new.reshape(-1), ref_base, keep_new=keep_new)
+    got = cuda_kernels.take_with(lib, cur, base, keep_new, "device", **kw)
+    if kw.get("pos64"):
+        assert got.positions.dtype == torch.int64
+        assert torch.equal(got.positions, ref.positions.to(torch.int64))
+    else:
+        assert got.positions.dtype == ref.positions.dtype and torch.equal(got.positions, ref.positions)
+    assert torch.equal(got.xor, ref.xor)
+    assert (got.new is None) if not keep_new else torch.equal(got.new, ref.new)
+    assert torch.equal(bits(base), bits(ref_base)), "baseline after the pass"
+    assert torch.equal(bits(cur), bits(new.reshape(-1))), "current must stay untouched"
+    return got, base
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7, 31, 2049, 8193, 20011])
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.3, 1.0])
+def test_emulated_delta_equals_reference(emu, dtype, n, rate):
+    g = torch.Generator().manual_seed(n * 7 + int(rate * 100))
+    old = random_tensor((n,), dtype, g)
+    new = perturb(old, rate, g, specials=True)
+    _emu_delta(emu, old, new)  # 16-byte vectors from an aligned start
+    _emu_delta(emu, old, new, keep_new=False, offset=3)  # same phase, partial first and last vectors
+    _emu_delta(emu, old, new, offset=1, base_offset=0)  # phases differ: the scalar path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_delta_resumes_when_capacity_runs_out(emu, dtype):
+    """Outputs smaller than the delta: tiles that do not fit leave the baseline alone and the
+    Python rounds resume there; positions come out offset and in order all the same."""
+    g = torch.Generator().manual_seed(11)
+    old = random_tensor((70001,), dtype, g)
+    new = perturb(old, 1.0, g)
+    _emu_delta(emu, old, new, offset=5, cap=1)
+    new = perturb(old, 0.4, g)
+    _emu_delta(emu, old, new, cap=9000, pos64=True)
+    _emu_delta(emu, old, new, cap=1, scalar=True)
+
+
+def test_emulated_realistic_bf16_and_undo(emu):
+    g = torch.Generator().manual_seed(5)
+    master = torch.randn(50_000, generator=g) * 0.02
+    old = master.to(torch.bfloat16)
+    new = (master + 1e-6 * torch.randn(50_000, generator=g)).to(torch.bfloat16)  # about 3% change
+    rate = (bits(old) != bits(new)).float().mean().item()
+    assert 0.01 < rate < 0.06
+    d, base = _emu_delta(emu, old, new, offset=2)
+    cuda_kernels.scatter_with(emu, base, d.positions, d.xor, delta.OP_XOR)  # the undo log
+    assert torch.equal(bits(base), bits(old))
+
+
+def _ulp_values(d: delta.SparseDelta, old: torch.Tensor) -> torch.Tensor:
+    if d.xor.element_size() == 8:  # the torch ulp reference covers widths 2 and 4
+        out = torch.empty_like(d.xor)
+        assert kernels.native().dcr_ulp_encode(d.xor.data_ptr(), d.new.data_ptr(), d.count, 8, out.data_ptr()) == 0
+        return out
+    return delta.ulp_diff_reference(bits(old).reshape(-1)[d.positions.long()], d.new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [delta.OP_XOR, delta.OP_OVERWRITE, delta.OP_ULP])
+@pytest.mark.parametrize("pos64", [False, True])
+def test_emulated_scatter_equals_reference(emu, dtype, op, pos64):
+    g = torch.Generator().manual_seed(op * 10 + int(pos64))
+    old = random_tensor((9001,), dtype, g)
+    new = perturb(old, 0.3, g, specials=True)
+    d = delta.take_delta(new, old.clone(), keep_new=True)
+    pos = d.positions.to(torch.int64) if pos64 else d.positions
+    target = old.clone()
+    if op == delta.OP_ULP and dtype.itemsize == 1:
+        with pytest.raises(ValueError, match="does not apply"):
+            cuda_kernels.scatter_with(emu, target, pos, d.xor, op)
+        assert torch.equal(bits(target), bits(old))
+        return
+    vals = {delta.OP_XOR: d.xor, delta.OP_OVERWRITE: d.new}.get(op)
+    vals = _ulp_values(d, old) if vals is None else vals
+    want = old.clone()
+    delta.scatter(want, pos, vals, op)  # the compiled CPU kernel
+    cuda_kernels.scatter_with(emu, target, pos, vals, op)
+    assert torch.equal(bits(target), bits(want))
+    assert torch.equal(bits(target), bits(new))
+
+
+@pytest.mark.parametrize("positions", [[5, 3], [4, 4], [-1, 2], [10, 100]])
+@pytest.mark.parametrize("idx", [torch.int32, torch.int64])
+def test_emulated_scatter_refuses_and_writes_nothing(emu, positions, idx):
+    t = torch.arange(100, dtype=torch.float32)
+    before = t.clone()
+    with pytest.raises(ValueError, match="refused"):
+        cuda_kernels.scatter_with(emu, t, torch.tensor(positions, dtype=idx), torch.ones(2), delta.OP_XOR)
+    assert torch.equal(bits(t), bits(before))
+    cuda_kernels.scatter_with(emu, t, torch.empty(0, dtype=idx), torch.empty(0), delta.OP_XOR)
+    assert torch.equal(bits(t), bits(before))
+
+
+# ------------------------------------------------------------------ dispatch and options (no GPU needed)
+def test_cpu_tensors_never_reach_the_cuda_path(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("CPU tensors went to the CUDA path")
+
+    monkeypatch.setattr(cuda_kernels, "take_delta_cuda", boom)
+    monkeypatch.setattr(cuda_kernels, "scatter_cuda", boom)
+    monkeypatch.setattr(cuda_kernels, "build", boom)
+    g = torch.Generator().manual_seed(1)
+    old = random_tensor((4099,), torch.bfloat16, g)
+    new = perturb(old, 0.05, g)
+    base = old.clone()
+    d = delta.take_delta(new, base, keep_new=True)
+    ref = delta.take_delta_reference(new, old.clone(), keep_new=True)
+    assert torch.equal(d.positions, ref.positions) and torch.equal(d.xor, ref.xor)
+    delta.undo(base, d)
+    assert torch.equal(bits(base), bits(old))
+
+
+@pytest.mark.skipif(GPU, reason="checks the CPU-only behaviour")
+def test_no_cuda_means_no_library_and_no_build(monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "build", lambda *a, **k: pytest.fail("must not build without CUDA"))
+    assert cuda_kernels.library() is None and not cuda_kernels.available()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cuda_kernels._require()
+
+
+def test_cuda_entry_points_refuse_host_tensors():
+    t = torch.zeros(16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA shard"):
+        cuda_kernels.take_delta_cuda(t, t.clone())
+    with pytest.raises(ValueError, match="CUDA target"):
+        cuda_kernels.scatter_cuda(t, torch.tensor([1]), torch.ones(1, dtype=torch.bfloat16), 0)
+    with pytest.raises(ValueError, match="out must be"):
+        cuda_kernels.take_delta_cuda(t, t.clone(), out="disk")
+    with pytest.raises(ValueError, match="for the baselines of CUDA shards"):
+        cuda_kernels.place_baseline(t, "pinned")
+
+
+@pytest.mark.parametrize("bad", ["cpu", "GPU", "", "host"])
+def test_baseline_option_is_validated(bad):
+    from nemo_dcr_callback import DCRCallback
+    from nemo_dcr_callback.sender import TensorSender
+
+    with pytest.raises(ValueError, match="baseline must be one of gpu, pinned"):
+        DCRCallback(baseline=bad)
+    with pytest.raises(ValueError, match="baseline must be one of"):
+        TensorSender({"w": torch.zeros(4)}, baseline=bad)
+    assert DCRCallback(baseline="pinned").cfg.baseline == "pinned"
+    assert DCRCallback().cfg.baseline == "gpu"
+
+
+def test_baseline_option_leaves_cpu_senders_alone():
+    """CPU tensors: the option changes nothing (plain host baselines, the CPU kernel)."""
+    from nemo_dcr_callback.sender import TensorSender
+
+    g = torch.Generator().manual_seed(2)
+    w = random_tensor((1000,), torch.bfloat16, g)
+    old = w.clone()
+    s = TensorSender({"w": w}, baseline="pinned")
+    assert not s.baselines["w"].is_cuda
+    w.copy_(perturb(w, 0.1, g))
+    (_, d), = s.take()
+    ref = delta.take_delta_reference(w, old.clone(), keep_new=True)
+    assert d.positions.device.type == "cpu" and torch.equal(d.positions, ref.positions)
+    assert torch.equal(bits(s.baselines["w"]), bits(w))
+
+
+def test_yaml_documents_every_option():
+    import dataclasses
+
+    import yaml
+
+    from nemo_dcr_callback.callback import DCRConfig
+
+    doc = yaml.safe_load((REPO / "configs" / "dcr.yaml").read_text())["dcr"]
+    assert doc["baseline"] == "gpu"
+    assert set(doc) - {"_target_"} == {f.name for f in dataclasses.fields(DCRConfig)}
+
+
+def test_cli_build_kernels_cuda_flag(monkeypatch, capsys):
+    from nemo_dcr_callback import cli
+
+    assert cli.build_parser().parse_args(["build-kernels", "--cuda"]).cuda
+    assert not cli.build_parser().parse_args(["build-kernels"]).cuda
+    monkeypatch.setattr(kernels, "build", lambda verbose=False: Path("cpu.so"))
+    monkeypatch.setattr(cuda_kernels, "nvcc_path", lambda: None)
+    assert cli.main(["build-kernels", "--cuda"]) == 2
+    assert "nvcc not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(GPU, reason="checks the CPU-only behaviour")
+def test_cli_bench_cuda_without_a_gpu(capsys):
+    from nemo_dcr_callback import cli
+
+    assert cli.main(["bench", "cuda", "--sizes-mib", "1", "--rates", "0.01"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_device_check_script_parses():
+    script = REPO / "scripts" / "device_check.sh"
+    assert script.stat().st_mode & 0o111, "device_check.sh must be executable"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+# ------------------------------------------------------------------ on a GPU
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device (scripts/device_check.sh)")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 31, 8193, 1_000_003])
+@pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
+def test_gpu_delta_equals_reference(dtype, n, rate):
+    from nemo_dcr_callback import bench_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(n + int(rate * 100))
+    old, new = bench_cuda.random_pair(n, dtype, rate, gen)
+    bench_cuda.check_delta(old, new, True)
+    bench_cuda.check_delta(old, new, False, offset=3)
+    bench_cuda.check_delta(old, new, True, offset=1, base_offset=0)
+    bench_cuda.check_delta(old, new, True, cap=1, baseline="pinned", out="pinned")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [0, 1, 2])
+def test_gpu_scatter_equals_reference(dtype, op):
+    from nemo_dcr_callback import bench_cuda
+
+    if op == 2 and dtype.itemsize == 1:
+        pytest.skip("no ulp op on bytes")
+    gen = torch.Generator(device="cuda").manual_seed(op)
+    bench_cuda.check_scatter(100_003, dtype, op, 0.05, gen)
+    bench_cuda.check_scatter(100_003, dtype, op, 0.5, gen, pos64=True, host_inputs=True)
+
+
+@gpu
+def test_gpu_refusals_and_side_stream():
+    from nemo_dcr_callback import bench_cuda
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    bench_cuda.check_refusals(gen)
+    bench_cuda.check_side_stream(gen)
+
+
+@gpu
+@pytest.mark.parametrize("baseline", ["gpu", "pinned"])
+def test_gpu_tensor_sender_matches_cpu(baseline):
+    """TensorSender on CUDA tensors: pinned host deltas, the same as on CPU copies."""
+    from nemo_dcr_callback.sender import TensorSender
+
+    g = torch.Generator().manual_seed(4)
+    w = random_tensor((100_003,), torch.bfloat16, g)
+    new = perturb(w, 0.03, g)
+    s_gpu = TensorSender({"w": w.cuda()}, baseline=baseline)
+    s_cpu = TensorSender({"w": w.clone()})
+    s_gpu.tensors["w"].copy_(new)
+    s_cpu.tensors["w"].copy_(new)
+    (_, dg), = s_gpu.take()
+    (_, dc), = s_cpu.take()
+    assert dg.positions.is_pinned() and torch.equal(dg.positions, dc.positions)
+    assert torch.equal(dg.xor, dc.xor) and torch.equal(dg.new, dc.new)
+    s_gpu.abort([("w", dg)])
+    assert torch.equal(bits(s_gpu.baselines["w"]).cpu(), bits(w))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
