@@ -60,6 +60,7 @@ class RelayConfig:
     poll_s: float = 0.005  # how often the watcher lists the parent; also the TTL of cached listings
     prefetch: bool = True  # pull new versions ahead of requests
     threads: int = 16  # concurrent upstream requests
+    lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
     tls_cert: str | None = None
     tls_key: str | None = None
     fault: str | None = field(default_factory=lambda: os.environ.get("NEMO_DCR_RELAY_FAULT"))  # tests only
@@ -161,6 +162,8 @@ class Relay:
         self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
         self.manifest_parts: dict[str, dict] = {}
         self.done_versions: set[str] = set()
+        self.watched_dirs: set[str] = set()
+        self.watch_alive = 0.0
         self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
@@ -187,6 +190,8 @@ class Relay:
             self.stats["hits"] += 1
             return hit
         if not mutable(key):
+            if self._known_absent(key):
+                return None
             seen = self.missing.get(key)
             if seen is not None and time.monotonic() - seen < self.cfg.poll_s:
                 return None
@@ -234,11 +239,18 @@ class Relay:
                     self.manifest_parts[p["key"]] = p
         return data, h
 
-    async def listing(self, op: str, prefix: str) -> list[str]:
-        """The parent's list/children of prefix, shared by every asker within poll_s."""
+    def _watched(self, k: tuple[str, str]) -> bool:
+        """Listings the watcher keeps current (and wakes long-polls on): served as they are."""
+        return (self.cfg.prefetch and time.monotonic() - self.watch_alive < 2.0
+                and (k == ("children", "versions/") or (k[0] == "list" and k[1] in self.watched_dirs)))
+
+    async def listing(self, op: str, prefix: str, fresh: bool = False) -> list[str]:
+        """The parent's list/children of prefix: what the watcher last saw for the versions it
+        follows, else shared by every asker within poll_s (a child's poll never crosses the
+        link above on its own)."""
         k = (op, prefix)
         hit = self.lists.get(k)
-        if hit is not None and time.monotonic() - hit[0] < self.cfg.poll_s:
+        if hit is not None and not fresh and (time.monotonic() - hit[0] < self.cfg.poll_s or self._watched(k)):
             return hit[1]
         fut = self.list_inflight.get(k)
         if fut is not None:
@@ -261,30 +273,47 @@ class Relay:
         finally:
             self.list_inflight.pop(k, None)
 
+    def _known_absent(self, key: str) -> bool:
+        """A key of a watched version that the watcher's current listing does not have."""
+        d = key.rsplit("/", 2)[0] if key.count("/") >= 2 else ""
+        for vd in (d, key.rsplit("/", 1)[0]):
+            hit = self.lists.get(("list", vd))
+            if hit is not None and self._watched(("list", vd)):
+                return key not in hit[1]
+        return False
+
     async def watch(self) -> None:
-        """Pull every new object of the newest versions as soon as the parent has it."""
+        """Pull every new object of the newest versions as soon as the parent has it, parts in
+        order and a few at a time (so the first parts arrive, and flow on, first)."""
         self._parent_gen = 0
+        lanes = asyncio.Semaphore(self.cfg.lanes)
+
+        async def pull(k: str) -> None:
+            async with lanes:
+                await self.fetch(k)
+
         while True:
             try:
-                versions = [v for v in await self.listing("children", "versions/") if v.isdigit()]
+                versions = [v for v in await self.listing("children", "versions/", fresh=True) if v.isdigit()]
                 for v in versions[-3:]:
                     vd = f"versions/{v}"
                     if vd in self.done_versions:
                         continue
-                    keys = [k for k in await self.listing("list", vd) if not mutable(k)]
+                    keys = [k for k in await self.listing("list", vd, fresh=True) if not mutable(k)]
+                    self.watched_dirs.add(vd)
                     todo = [k for k in keys if k not in self.cache and k not in self.inflight]
-                    # manifests first: parts are then checked against them too
-                    todo.sort(key=lambda k: not k.endswith(".json"))
+                    # manifests and records first: parts are then checked against them too
+                    todo.sort(key=lambda k: (not k.endswith(".json"), k))
                     if todo:
-                        await asyncio.gather(*(self.fetch(k) for k in todo), return_exceptions=True)
+                        await asyncio.gather(*(pull(k) for k in todo), return_exceptions=True)
                     if f"{vd}/DECISION.json" in self.cache:
                         self.done_versions.add(vd)
+                self.watch_alive = time.monotonic()
             except (OSError, KeyError):
                 pass  # the parent chain re-attaches; try again next round
             if hasattr(self.parent, "wait"):  # a relay above: long-poll it instead of polling
                 try:
                     self._parent_gen = await self._up(self.parent.wait, self._parent_gen, 1.0)
-                    self.lists.clear()  # what the parent holds changed: list it afresh
                     continue
                 except OSError:
                     pass
