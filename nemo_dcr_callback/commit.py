@@ -329,8 +329,14 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
         expected = sorted(receivers(store, policy.live_s))
     deadline = time.monotonic() + policy.timeout
     need = math.ceil(policy.quorum * len(expected))
+    seen: dict[str, Ack] = {}  # acks are written once: each poll lists, and reads only new ones
     while True:
-        acks = {k: a for k, a in read_acks(store, v).items() if k in expected}
+        for name in store.children(f"{vdir(v)}/acks"):
+            if name not in seen:
+                a = read_json(store, f"{vdir(v)}/acks/{name}")
+                if a is not None:
+                    seen[name] = a
+        acks = {a["receiver"]: a for a in seen.values() if a["receiver"] in expected}
         ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
         refused = [k for k, a in acks.items() if not (a["ok"] and a["base"] == base)]
         if len(ok) == len(expected):
