@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all placement demo bench bench-refit bench-relay lint kernels clean
+.PHONY: setup test test-all placement faults demo bench bench-refit bench-relay lint kernels clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ test-all: setup
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement
+
+faults: setup  # the whole fault-injection suite (make test runs its fast part); table -> docs/FAULTS.md
+	NEMO_DCR_FAULT_TABLE=benchmarks/results/faults.json $(BIN)/python -m pytest -q tests/faults
 
 demo: setup
 	$(BIN)/nemo-dcr demo

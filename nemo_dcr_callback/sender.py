@@ -188,10 +188,14 @@ class TensorSender:
         self.digests = {n: digest.sum64(_host(b)) for n, b in self.baselines.items()}
         self._scratch = Scratch()
         self._side = cuda_kernels.SideStream()
+        self._undo: list[tuple[str, SparseDelta]] = []  # every delta taken since the last commit
+
+    def _take_one(self, n: str, t: torch.Tensor) -> tuple[str, SparseDelta]:
+        self._undo.append((n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side)))
+        return self._undo[-1]
 
     def take(self) -> list[tuple[str, SparseDelta]]:
-        return [(n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side))
-                for n, t in self.tensors.items()]
+        return [self._take_one(n, t) for n, t in self.tensors.items()]
 
     def stream(self, store, v: int, base: int, part_bytes: int = 4 << 20) -> tuple[list, dict]:
         """take() and write() interleaved tensor by tensor: each tensor's chunks are encoded
@@ -199,9 +203,9 @@ class TensorSender:
         starts moving bytes right after the first tensor). Returns (taken, manifest)."""
         taken: list[tuple[str, SparseDelta]] = []
 
-        def lazily():
+        def lazily():  # a failed upload leaves what was taken in the undo log: abort() restores it
             for n, t in self.tensors.items():
-                taken.append((n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side)))
+                taken.append(self._take_one(n, t))
                 yield taken[-1]
 
         m = self.write(store, v, base, lazily(), part_bytes=part_bytes)
@@ -231,7 +235,12 @@ class TensorSender:
 
     def commit(self) -> None:
         self.digests = self._pending
+        self._undo.clear()
 
-    def abort(self, taken: list[tuple[str, SparseDelta]]) -> None:
-        for n, d in reversed(taken):
+    def abort(self, taken: list[tuple[str, SparseDelta]] | None = None) -> None:
+        """Restore the baselines: of `taken`, or of everything since the last commit (also a
+        version whose upload failed half-way)."""
+        ids = {id(d) for _, d in taken} if taken is not None else None
+        for n, d in reversed(self._undo if taken is None else taken):
             undo(self.baselines[n], d)
+        self._undo = [] if ids is None else [(n, d) for n, d in self._undo if id(d) not in ids]

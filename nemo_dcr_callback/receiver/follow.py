@@ -11,6 +11,7 @@ deltas; one with nothing, or too far behind, starts from a keyframe.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
-from nemo_dcr_callback.transport.store import wait_change
+from nemo_dcr_callback.transport.store import StoreError, wait_change
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Follower:
         self.decision_timeout = decision_timeout
         self.poll_s = poll_s
         self._parts: dict[int, _Parts] = {}
+        self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
+        self.max_refusals = 3
         self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_change)
         self.digests: dict[str, int] | None = None
         if check_digests and hasattr(self.target, "flat"):
@@ -102,7 +105,10 @@ class Follower:
             st.t0 = time.perf_counter()
 
         def one(key: str):
-            blob = self.store.get(key)
+            try:
+                blob = self.store.get(key)
+            except KeyError:
+                raise codec.ChunkError(f"{key}: part missing from the store") from None
             decoded = []
             for c in codec.split_chunks(blob):
                 h = codec.parse_header(c)
@@ -218,6 +224,8 @@ class Follower:
                 if d is not None and d["decision"] != "commit":
                     self._parts.pop(v, None)
                     continue
+                if v in self.refused and d is None:
+                    continue  # refused (acked as such): wait for the decision before trying again
                 rec = commit.read_record(self.store, v)
                 if rec is None:
                     if d is None and not streamed:
@@ -229,6 +237,15 @@ class Follower:
                 try:
                     out.append(self.apply_version(v, rec))
                 except _Aborted:
+                    continue
+                except codec.ChunkError:
+                    # A receiver in the commit refuses the version (its ack says why) and goes on:
+                    # an abort drops it; if it commits anyway (quorum), it is fetched afresh, a
+                    # few times at most (the damage may have been on the way here).
+                    self._parts.pop(v, None)
+                    self.refused[v] = self.refused.get(v, 0) + 1
+                    if not self.receiver_id or self.refused[v] > self.max_refusals:
+                        raise
                     continue
                 if on_apply:
                     on_apply(out[-1])
@@ -242,8 +259,20 @@ class Follower:
         """Keep applying versions as they are committed, until version `until` (or timeout)."""
         poll_s = self.poll_s if poll_s is None else poll_s
         deadline = time.monotonic() + timeout
+        warned = False
         while until is None or self.version < until:
-            if self.poll(on_apply):
+            try:
+                applied = self.poll(on_apply)
+            except StoreError as exc:  # the store is down or failing: keep trying until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                if not warned:
+                    print(f"nemo-dcr receiver: store unavailable ({exc}); retrying", file=sys.stderr, flush=True)
+                    warned = True
+                time.sleep(min(1.0, 10 * poll_s))
+                continue
+            warned = False
+            if applied:
                 deadline = time.monotonic() + timeout
             if until is not None and self.version >= until:
                 return

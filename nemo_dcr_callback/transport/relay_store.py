@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs, quote, urlparse
 
@@ -126,6 +127,7 @@ class FailoverStore:
         self.url = ",".join(getattr(s, "url", "?") for s in stores)
         self._lock = threading.Lock()
         self.failovers = 0
+        self.failed_at: float | None = None  # when it last moved down the chain (time.monotonic)
 
     @property
     def current(self):
@@ -143,6 +145,7 @@ class FailoverStore:
                             raise
                         self.i = i + 1
                         self.failovers += 1
+                        self.failed_at = time.monotonic()
                         if not self.quiet:
                             print(f"nemo-dcr: {exc}; re-attaching to {getattr(self.stores[i + 1], 'url', '?')}",
                                   file=sys.stderr, flush=True)

@@ -55,6 +55,7 @@ class S3Store:
         self.url = f"s3://{self.bucket}/{self.prefix}" + (f"?endpoint={self.endpoint_url}" if self.endpoint_url else "")
         self.multipart_bytes = multipart_bytes
         self.concurrency = concurrency
+        self.max_attempts = max_attempts
         self._errors = botocore.exceptions
         cfg = Config(retries={"max_attempts": max_attempts, "mode": "standard"}, connect_timeout=connect_timeout,
                      read_timeout=read_timeout, max_pool_connections=max(10, 2 * concurrency),
@@ -158,14 +159,27 @@ class S3Store:
             raise self._fail("conditional put", key, exc) from None
 
     def get(self, key: str) -> bytes:
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except self._errors.ClientError as exc:
-            if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
-                raise KeyError(key) from None
-            raise self._fail("get", key, exc) from None
-        except self._errors.BotoCoreError as exc:
-            raise self._fail("get", key, exc) from None
+        """The object's bytes. botocore retries failed requests; a body that breaks off or fails
+        its checksum after the response began is fetched again here (with backoff)."""
+        import time
+
+        e = self._errors
+        broken = (e.IncompleteReadError, e.ResponseStreamingError, e.FlexibleChecksumError, e.ReadTimeoutError,
+                  e.ConnectionClosedError)
+        for attempt in range(self.max_attempts):
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            except e.ClientError as exc:
+                if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    raise KeyError(key) from None
+                raise self._fail("get", key, exc) from None
+            except broken as exc:
+                if attempt + 1 == self.max_attempts:
+                    raise self._fail("get", key, exc) from None
+                time.sleep(min(2.0, 0.05 * 2 ** attempt))
+            except e.BotoCoreError as exc:
+                raise self._fail("get", key, exc) from None
+        raise AssertionError("unreachable")
 
     def exists(self, key: str) -> bool:
         try:

@@ -1,0 +1,1 @@
+"""The fault-injection suite (docs/FAULTS.md)."""
