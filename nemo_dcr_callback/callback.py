@@ -46,6 +46,7 @@ class DCRConfig:
     keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
     part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, as soon as full
     baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
+    resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
 
 
 class DCRCallback(Callback):
@@ -53,7 +54,8 @@ class DCRCallback(Callback):
                  every_n_steps: int = 1, max_pending_bytes: int = 1 << 30, chunk_span: int = 1 << 24,
                  zstd_level: int = 1, keyframe: bool = True, verify: bool = False, seal_timeout: float = 600.0,
                  commit_policy: str = "quorum", ack_timeout: float = 60.0, quorum: float = 0.5,
-                 keyframe_every: int = 0, part_bytes: int = 4 << 20, baseline: str = "gpu", **unknown):
+                 keyframe_every: int = 0, part_bytes: int = 4 << 20, baseline: str = "gpu", resume: bool = True,
+                 **unknown):
         if unknown:
             raise TypeError(f"DCRCallback: unknown options {sorted(unknown)} (see configs/dcr.yaml)")
         if every_n_steps < 1:
@@ -67,10 +69,11 @@ class DCRCallback(Callback):
             raise ValueError(f"DCRCallback: {exc}") from None
         self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
                              keyframe, verify, seal_timeout, commit_policy, ack_timeout, quorum, keyframe_every,
-                             part_bytes, baseline)
+                             part_bytes, baseline, resume)
         self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)  # validates the options now
         self.publisher = None
         self.steps = 0
+        self._offset = 0
         self._verifier = None
 
     # ------------------------------------------------------------------ helpers
@@ -110,7 +113,8 @@ class DCRCallback(Callback):
         model, vocab = self._model(pl_module), self._vocab(pl_module)
         store = open_store(self._store_url(trainer))
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.cfg.keyframe or self.cfg.verify:
+        resuming = self.cfg.resume and bool(commit.list_versions(store))
+        if (self.cfg.keyframe or self.cfg.verify) and not resuming:
             exp = dense_export(model, family, vocab)
             if rank == 0:
                 hf = getattr(pl_module, "dcr_hf_config", None)
@@ -122,7 +126,14 @@ class DCRCallback(Callback):
         self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
                                    max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
                                    level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout, policy=self.policy,
-                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline)
+                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline, resume=resuming)
+        self._offset = self.publisher.version_offset  # versions continue after the store's newest
+        if resuming and self.cfg.verify and rank == 0:
+            from nemo_dcr_callback.receiver import Follower
+            from nemo_dcr_callback.receiver.follow import reconstruct
+
+            last = self.publisher.resumed_from
+            self._verifier = Follower(store, reconstruct(store, last), version=last)
         self._family, self._vocab_n, self._model_ref = family, vocab, model
         if rank == 0:
             print(f"dcr: publishing to {store.url} every {self.cfg.every_n_steps} step(s) "
@@ -133,7 +144,8 @@ class DCRCallback(Callback):
         if self.publisher is None or self.steps % self.cfg.every_n_steps:
             return
         t0 = time.perf_counter()
-        st = self.publisher.publish(self.steps)
+        version = self._offset + self.steps
+        st = self.publisher.publish(version)
         metrics = {"dcr/kernel_ms": 1e3 * st.kernel_s, "dcr/publish_ms": 1e3 * (time.perf_counter() - t0)}
         done = self.publisher.history[-1] if self.publisher.history else None
         if done is not None:
@@ -142,9 +154,9 @@ class DCRCallback(Callback):
                             "dcr/encode_ms": 1e3 * done.encode_s, "dcr/upload_ms": 1e3 * done.upload_s})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         if self.cfg.verify:
-            self._verify(self.steps)
+            self._verify(version)
         elif self.cfg.keyframe_every and self.steps % (self.cfg.keyframe_every * self.cfg.every_n_steps) == 0:
-            self._keyframe(self.steps, pl_module)
+            self._keyframe(version, pl_module)
 
     def _keyframe(self, version: int, pl_module) -> None:
         """A full canonical checkpoint of `version` (a collective: every rank takes part in the

@@ -378,6 +378,31 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decisio
         token = wait_change(store, token, poll, min(1.0, left))
 
 
+# ------------------------------------------------------------------ restarting a sender
+def resume_point(store) -> tuple[int, int, list[int]]:
+    """Where a restarted sender picks up: (last committed version, newest version number in
+    the store, the versions after the last committed one that nobody decided: left behind by
+    a sender that died mid-version)."""
+    versions = list_versions(store)
+    last, dangling = 0, []
+    for v in versions:
+        d = read_decision(store, v)
+        if d is not None and d["decision"] == "commit":
+            last, dangling = v, [x for x in dangling if x > v]
+        elif d is None:
+            dangling.append(v)
+    return last, max(versions, default=0), [v for v in dangling if v > last]
+
+
+def abort_dangling(store, versions: list[int], reason: str = "the senders restarted") -> None:
+    """Decide abort for versions a dead sender left unfinished (their parts are never applied;
+    gc removes them). Conditional writes: a decision already there stands."""
+    for v in versions:
+        rec = read_record(store, v)
+        base = rec["base"] if rec else -1
+        decide(store, v, base, "abort", [], [], reason)
+
+
 # ------------------------------------------------------------------ keyframes and garbage
 def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
     """A full canonical checkpoint of version v (safetensors), its config and digests; the

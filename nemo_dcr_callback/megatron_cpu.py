@@ -139,3 +139,17 @@ def seed(value: int) -> None:
 
 def is_enabled() -> bool:
     return _enabled
+
+
+def init_gloo(tp: int, pp: int = 1, timeout_s: float = 300.0) -> int:
+    """A torchrun worker's set-up on CPU: this run mode, a gloo process group, Megatron's
+    model-parallel groups. Returns the rank."""
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    enable()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    ps.initialize_model_parallel(tp, pp)
+    return dist.get_rank()

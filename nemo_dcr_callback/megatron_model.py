@@ -29,6 +29,7 @@ class TinyGPTConfig:
     params_dtype: str = "bfloat16"
     init_method_std: float = 0.02
 
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.params_dtype)
@@ -54,6 +55,11 @@ def transformer_config(cfg: TinyGPTConfig, tp: int, pp: int):
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
     )
+
+
+# The 2-layer model of the multi-process S3 and fault tests (vocab 256: no padding at TP 2).
+TEST_GPT = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2,
+                vocab_size=256)
 
 
 def build_model(cfg: TinyGPTConfig, seed: int = 1234):

@@ -140,8 +140,15 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     committer = threading.Thread(target=commit_stage, name="nemo-dcr-commit", daemon=True)
     committer.start()
     failed = False
+    own_process = threading.current_thread() is threading.main_thread()
+    parent = os.getppid()
     while True:
-        item = jobs.get()
+        try:
+            item = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if own_process and os.getppid() != parent:  # the training process died: do not linger
+                os._exit(1)
+            continue
         if item is None:
             stage.put(None)
             committer.join()
@@ -161,6 +168,7 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
                 w = commit.RankWriter(store, version, base, spec.rank, spec.world, part_bytes=spec.part_bytes)
                 dig = dict(digests[base])
                 ss = sender.encode(taken, emit=w.add, digests=dig)[1]
+                _fault_point(spec.rank, version)
                 t1 = time.perf_counter()
                 w.finish(ss.params, ss.changed, dig)
                 digests[version] = dig
@@ -172,6 +180,21 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the trainer
             failed = True
             results.put(("error", version, f"{type(exc).__name__}: {exc}"))
+
+
+def _fault_point(rank: int, version: int) -> None:
+    """Fault injection (tests/faults): NEMO_DCR_SENDER_FAULT=kill:R:V SIGKILLs rank R's
+    training process and its worker once version V's parts are uploaded, before its manifest
+    (a node lost mid-upload)."""
+    spec = os.environ.get("NEMO_DCR_SENDER_FAULT", "")
+    if spec.startswith("kill:"):
+        _, r, v = spec.split(":")
+        if int(r) == rank and int(v) == version:
+            import signal
+
+            if threading.current_thread() is threading.main_thread():  # a worker process
+                os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _pack(index: dict[int, int], taken: list, shm: bool) -> tuple:
@@ -231,7 +254,8 @@ class Publisher:
                  world: int | None = None, dp_rank: int | None = None, dp_size: int | None = None,
                  max_pending_bytes: int = 1 << 30, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
                  seal_timeout: float = 600.0, base_version: int = 0, worker: str = "process", nice: int = 19,
-                 policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20, baseline: str = "gpu"):
+                 policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20, baseline: str = "gpu",
+                 resume: bool = False):
         import torch.distributed as dist
 
         self.store = open_store(store) if isinstance(store, str) else store
@@ -246,6 +270,10 @@ class Publisher:
                 dp_rank, dp_size = 0, 1
         self.placement = build_placement(model, family, vocab_size, dp_rank=dp_rank, dp_size=dp_size)
         self.sender = ShardSender(self.placement, span=span, level=level, baseline=baseline)
+        self.version_offset = 0  # version numbers continue after whatever the store holds
+        self.resumed_from: int | None = None
+        if resume:
+            base_version = self._resume(base_version)
         self.policy = policy or commit.CommitPolicy()
         self._index = {id(pm): i for i, pm in enumerate(self.placement.params)}
         self.max_pending = max_pending_bytes
@@ -278,6 +306,28 @@ class Publisher:
         ready = self._results.get(timeout=300)
         if ready[0] != "ready":
             raise RuntimeError(f"nemo-dcr publisher worker did not start: {ready}")
+
+    def _resume(self, base_version: int) -> int:
+        """A job restarted (from a training checkpoint, after a crash): rebase on the store's
+        last committed version, rebuilt from its keyframe and committed deltas, so the first
+        delta takes receivers from what they hold to the restored weights; versions a dead
+        sender left undecided are aborted (rank 0). Receivers never reload anything."""
+        last, newest, dangling = commit.resume_point(self.store)
+        if newest == 0 and last == 0:
+            return base_version  # a fresh store: nothing to resume
+        from nemo_dcr_callback.receiver.follow import reconstruct
+
+        if self.rank == 0 and dangling:
+            commit.abort_dangling(self.store, dangling, "the senders restarted")
+        self.sender.rebase(reconstruct(self.store, last))
+        self.version_offset, self.resumed_from = newest, last
+        if self.rank == 0:
+            print(f"nemo-dcr: resuming after version {last} (aborted unfinished {dangling or 'none'}); "
+                  f"next version {newest + 1}", flush=True)
+        return last
+
+    def next_version(self) -> int:
+        return max(self.last_version, self.version_offset) + 1
 
     # -------------------------------------------------------------- trainer side
     def publish(self, version: int) -> PublishStats:

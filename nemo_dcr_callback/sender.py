@@ -79,6 +79,27 @@ class ShardSender:
                 like = None if pm.residual else self._current(pm)
                 self.baselines[pm.name] = cuda_kernels.place_baseline(self.baselines[pm.name], where, like)
 
+    def rebase(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Set every baseline to the bits of the canonical tensors (the receivers' version):
+        each owned element is read at its canonical position (the placement's projection).
+        A sender restarted from a training checkpoint rebases on the last committed version,
+        so its first delta takes receivers from there to the restored weights."""
+        from nemo_dcr_callback.delta import bits
+
+        self._undo.clear()
+        for pm in self.active:
+            base = self.baselines[pm.name]
+            host = _host(base).clone()
+            hb = bits(host)
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                src = bits(canonical[pr.name].contiguous()).reshape(-1)
+                vals = src[torch.from_numpy(np.ascontiguousarray(pr.positions)).to(torch.int64)]
+                off = 0
+                for a, b in pr.parts:
+                    hb[a:b] = vals[off:off + b - a]
+                    off += b - a
+            base.copy_(host)
+
     def _current(self, pm: ParamMap) -> torch.Tensor:
         if pm.residual:
             return canonical_values(pm, self.placement.dtype)

@@ -5,7 +5,6 @@ acks, and the receiver ends bit-exact with the dense export of step 3."""
 
 from __future__ import annotations
 
-import datetime
 import sys
 import threading
 import warnings
@@ -20,23 +19,17 @@ def main() -> int:
     url = sys.argv[1]
     from nemo_dcr_callback import megatron_cpu
 
-    megatron_cpu.enable()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(2, 1)
+    rank = megatron_cpu.init_gloo(2, 1, timeout_s=300)
     from nemo_dcr_callback import commit
     from nemo_dcr_callback.delta import bits
-    from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, train_step, wrap_for_training
+    from nemo_dcr_callback.megatron_model import TEST_GPT, TinyGPTConfig, build_model, train_step, wrap_for_training
     from nemo_dcr_callback.placement import FAMILIES, dense_export
     from nemo_dcr_callback.publisher import Publisher
     from nemo_dcr_callback.receiver import Follower
     from nemo_dcr_callback.transport.store import open_store
 
-    rank = dist.get_rank()
-    fam, vocab = FAMILIES["llama"], 256
-    cfg = TinyGPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                        num_query_groups=2, vocab_size=vocab)
+    cfg = TinyGPTConfig(**TEST_GPT)
+    fam, vocab = FAMILIES["llama"], cfg.vocab_size
     model = build_model(cfg)
     ddp, opt = wrap_for_training(model, lr=1e-3)
     store = open_store(url)

@@ -52,7 +52,8 @@ class Follower:
     the joint commit; without one it only applies committed versions."""
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
-                 decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01):
+                 decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
+                 journal: str | None = None):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
@@ -67,6 +68,20 @@ class Follower:
         self.max_refusals = 3
         self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_change)
         self.digests: dict[str, int] | None = None
+        self.journal = None
+        if journal is not None:  # weights that outlive this follower: complete a torn apply first
+            from nemo_dcr_callback.receiver.journal import Journal
+
+            if not hasattr(self.target, "flat"):
+                raise ValueError("a journal needs a target with flat tensors (a state dict)")
+            self.journal = Journal(journal)
+            replayed = self.journal.replay(self.target.flat)
+            held = self.journal.held()
+            if held is not None:
+                self.version = held
+            if replayed is not None:
+                print(f"nemo-dcr receiver: completed the interrupted apply of version {replayed} from the journal",
+                      file=sys.stderr, flush=True)
         if check_digests and hasattr(self.target, "flat"):
             self.digests = {n: digest.sum64(self.target.flat(n)) for n in self.target.names()}
             self._check_held()
@@ -183,7 +198,14 @@ class Follower:
                 raise _Aborted(v, d["reason"])
         t1 = time.perf_counter()
         checked = False
-        if self.digests is not None and hasattr(self.target, "apply_with_terms"):
+        if self.journal is not None:  # redo records first, then an idempotent overwrite
+            recs = self.journal.records(self.target.flat, decoded)
+            self.journal.begin(v, recs)
+            terms = self.journal.apply(self.target.flat, recs)
+            if self.digests is not None:
+                checked = self._check_digests(v, rec, terms)
+            self.journal.done(v)
+        elif self.digests is not None and hasattr(self.target, "apply_with_terms"):
             terms = self.target.apply_with_terms(decoded)  # one pass: apply and read back
             checked = self._check_digests(v, rec, terms)
         else:
@@ -311,3 +333,25 @@ def latest_keyframe(store) -> int | None:
         if k == 0 or (d and d["decision"] == "commit"):
             return k
     return None
+
+
+def reconstruct(store, v: int) -> dict:
+    """The canonical tensors of committed version v, rebuilt from the newest committed keyframe
+    at or before v plus the committed deltas after it, every step checked against the
+    version records' digests (a restarted sender rebases on this)."""
+    from safetensors.torch import load
+
+    kfs = [k for k in commit.keyframes(store) if k <= v and (k == 0 or (commit.read_decision(store, k) or {})
+                                                              .get("decision") == "commit")]
+    if not kfs:
+        raise KeyError(f"no keyframe at or before version {v} to rebuild it from")
+    k = kfs[-1]
+    tensors = load(store.get(f"{commit.keyframe_dir(k)}/model.safetensors"))
+    f = Follower(store, tensors, version=k)
+    for u in [u for u in commit.list_versions(store) if k < u <= v]:
+        d = commit.read_decision(store, u)
+        if d is not None and d["decision"] == "commit":  # committed versions form one chain
+            f.apply_version(u, wait_decision=False)
+    if f.version != v:
+        raise KeyError(f"version {v} is not committed (rebuilt up to {f.version})")
+    return tensors

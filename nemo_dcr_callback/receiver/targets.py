@@ -312,17 +312,10 @@ class CheckpointDirTarget:
             mm.flush()
 
     def _crash_point(self) -> None:
-        """Between two tensor writes of a replay. Fault injection (tests/faults): with
-        NEMO_DCR_RECEIVER_FAULT=kill-after:N the process SIGKILLs itself after N writes."""
-        import os
+        """Between two tensor writes of a replay (fault injection: journal.fault_point)."""
+        from nemo_dcr_callback.receiver.journal import fault_point
 
-        spec = os.environ.get("NEMO_DCR_RECEIVER_FAULT", "")
-        if spec.startswith("kill-after:"):
-            self._writes = getattr(self, "_writes", 0) + 1
-            if self._writes >= int(spec.split(":")[1]):
-                import signal
-
-                os.kill(os.getpid(), signal.SIGKILL)
+        fault_point()
 
     def close(self) -> None:
         import gc

@@ -402,3 +402,117 @@ def test_relay_killed_mid_version(seaweed, tmp_path, table):
     table("relay killed mid-version (SIGKILL after serving 3 parts)",
           "receivers re-attached to the root relay and finished bit-exact; each part downloaded once per receiver",
           recover, 0)
+
+
+@pytest.mark.slow
+def test_sender_rank_killed_mid_upload_then_restarted_from_checkpoint(seaweed, tmp_path, table):
+    """torchrun (TP 2): rank 1 is SIGKILLed while uploading version 3, after 1 and 2 committed;
+    the job restarts from its step-1 training checkpoint, rebases on version 2 (rebuilt from the
+    store), aborts the unfinished 3 and publishes 4 and 5. The receiver, which never stopped,
+    applies 1, 2, 4, 5 and ends bit-exact with the dense export of the restarted job's weights,
+    without reloading anything."""
+    from safetensors.torch import load
+
+    from nemo_dcr_callback.launch import torchrun_cmd
+
+    prefix = "sender-restart"
+    url = seaweed.url(f"{seaweed.bucket}/{prefix}")
+    store = seaweed.store(prefix)
+    env = {**os.environ, **seaweed.env(), "PYTHONUNBUFFERED": "1"}
+    worker = str(Path(__file__).resolve().parent / "restart_worker.py")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    fetched: list[str] = []
+    rx_store = seaweed.store(prefix)
+    inner = rx_store.get
+    rx_store.get = lambda k: (fetched.append(k), inner(k))[1]
+    applied: list[int] = []
+    box: dict = {}
+
+    def receiver():  # a rollout worker: starts from the keyframe, then follows, never restarted
+        kf = f"{commit.keyframe_dir(0)}/model.safetensors"
+        while not rx_store.exists(kf):
+            time.sleep(0.05)
+        box["tensors"] = load(rx_store.get(kf))
+        box["f"] = Follower(rx_store, box["tensors"], receiver_id="rx", poll_s=0.005)
+        box["f"].follow(until=5, timeout=300, on_apply=lambda a: applied.append(a.version))
+
+    th = threading.Thread(target=receiver)
+    th.start()
+    p1 = subprocess.run(torchrun_cmd(2, [worker, "first", str(ckpt), url]), capture_output=True, text=True,
+                        timeout=600, env={**env, "NEMO_DCR_SENDER_FAULT": "kill:1:3"}, cwd=tmp_path)
+    assert p1.returncode != 0, p1.stdout[-2000:]
+    assert [(commit.read_decision(store, v) or {}).get("decision") for v in (1, 2)] == ["commit", "commit"], \
+        (p1.stdout + p1.stderr)[-4000:]
+    assert commit.read_decision(store, 3) is None and commit.read_record(store, 3) is None  # left unfinished
+    assert applied == [1, 2]
+    seen = len(fetched)
+    t0 = time.perf_counter()
+    p2 = subprocess.run(torchrun_cmd(2, [worker, "second", str(ckpt), url]), capture_output=True, text=True,
+                        timeout=600, env=env, cwd=tmp_path)
+    th.join(120)
+    out = p2.stdout + p2.stderr
+    assert p2.returncode == 0, out[-4000:]
+    assert "resumed from version 2; next version 4" in out, out[-3000:]
+    assert commit.read_decision(store, 3)["decision"] == "abort"
+    assert applied == [1, 2, 4, 5] and box["f"].version == 5
+    final = load(store.get("test/final.safetensors"))
+    assert _same(box["tensors"], final)  # bit-exact with the dense export of the restarted job
+    assert not any("keyframe" in k for k in fetched[seen:])  # no reload
+    resent = sum(commit.read_record(store, v)["bytes"] for v in (4,))
+    table("sender rank SIGKILLed mid-upload; job restarted from its training checkpoint",
+          "unfinished version aborted; senders rebased on the last committed version (rebuilt from the store); "
+          "receiver applied 1, 2, 4, 5 bit-exact, no reload", time.perf_counter() - t0, resent)
+
+
+def _serve_worker(tensors, url, env, journal, until, ready):
+    """A receiver process attached to weights that live in shared memory (the serving
+    process's): follows the store, applying through the redo journal."""
+    os.environ.update(env)
+    from nemo_dcr_callback.receiver import Follower as F
+    from nemo_dcr_callback.transport.store import open_store
+
+    f = F(open_store(url), tensors, receiver_id="srv", poll_s=0.005, journal=journal)
+    ready.put(f.version)
+    f.follow(until=until, timeout=120)
+
+
+@pytest.mark.slow
+def test_receiver_killed_mid_apply_in_a_serving_process_resyncs_from_its_journal(seaweed, tmp_path, table):
+    """The weights live on in shared memory (the serving process stayed up) while the receiver
+    applying to them is SIGKILLed between two tensor writes: they are torn (neither version).
+    A new receiver on the same weights replays the redo journal (overwrites), holds version 1
+    and goes on to 2: bit-exact, nothing reloaded, no keyframe in the store at all."""
+    import torch.multiprocessing as tmp_mp
+
+    prefix = "serve-kill"
+    store = seaweed.store(prefix)
+    url = seaweed.url(f"{seaweed.bucket}/{prefix}")
+    states = _states(2, n=8)
+    shared = {k: v.clone().share_memory_() for k, v in states[0].items()}
+    ctx = tmp_mp.get_context("spawn")
+    journal = str(tmp_path / "journal")
+    env = {**seaweed.env(), "NEMO_DCR_RECEIVER_FAULT": "kill-after:3"}
+    ready = ctx.Queue()
+    p = ctx.Process(target=_serve_worker, args=(shared, url, env, journal, 1, ready))
+    p.start()
+    assert ready.get(timeout=120) == 0
+    _send(store, 1, 0, states[0], states[1])
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 2, timeout=30), commit.CommitPolicy("wait", 60))
+    p.join(60)
+    assert p.exitcode == -9
+    assert not _same(shared, states[0]) and not _same(shared, states[1])  # torn
+    t0 = time.perf_counter()
+    env.pop("NEMO_DCR_RECEIVER_FAULT")
+    p2 = ctx.Process(target=_serve_worker, args=(shared, url, env, journal, 2, ready))
+    p2.start()
+    assert ready.get(timeout=120) == 1  # the journal completed version 1
+    assert _same(shared, states[1])
+    _send(store, 2, 1, states[1], states[2])
+    commit.run_commit(store, commit.seal_version(store, 2, 1, 2, timeout=30), commit.CommitPolicy("wait", 60))
+    p2.join(60)
+    assert p2.exitcode == 0 and _same(shared, states[2])
+    assert not store.list("keyframe")
+    table("receiver killed mid-apply inside a serving process that stayed up (weights in shared memory)",
+          "weights torn; the restarted receiver replayed its redo journal (version 1 complete), then applied 2; "
+          "bit-exact; no reload", time.perf_counter() - t0, 0)

@@ -1,0 +1,108 @@
+"""A redo journal for receivers whose weights outlive the applying code (a serving process
+that stays up while the follower dies, weights in shared memory).
+
+Before a version touches the weights, the new bits at every changed position are computed
+(from the current bits and the chunk: XOR, ulp or overwrite) and written to
+`redo-{v}.pt` in the journal directory; the apply is then an overwrite with those bits, which
+is idempotent. A follower started on the same weights finds the pending redo file, replays
+it (a torn apply is completed, whatever part of it had landed) and holds version v: it
+resyncs from overwrite records, never by reloading the model. `state.json` records the
+version held between applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from nemo_dcr_callback import codec, digest
+from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, ulp_add_reference
+
+Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (int64), new bits
+
+
+def fault_point() -> None:
+    """Between two tensor writes. Fault injection (tests/faults): with
+    NEMO_DCR_RECEIVER_FAULT=kill-after:N the process SIGKILLs itself after N writes."""
+    spec = os.environ.get("NEMO_DCR_RECEIVER_FAULT", "")
+    if spec.startswith("kill-after:"):
+        fault_point.writes = getattr(fault_point, "writes", 0) + 1
+        if fault_point.writes >= int(spec.split(":")[1]):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Journal:
+    def __init__(self, path: str | os.PathLike, durable: bool = False):
+        self.dir = Path(path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.durable = durable  # fsync: needed if the weights survive a machine crash, not a process one
+
+    # ------------------------------------------------------------ state
+    def held(self) -> int | None:
+        p = self.dir / "state.json"
+        return json.loads(p.read_text())["version"] if p.exists() else None
+
+    def pending(self) -> tuple[int, Path] | None:
+        redo = sorted(self.dir.glob("redo-*.pt"))
+        return (int(redo[-1].stem.split("-")[1]), redo[-1]) if redo else None
+
+    def _write(self, path: Path, write) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "wb") as f:
+            write(f)
+            if self.durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def done(self, v: int) -> None:
+        self._write(self.dir / "state.json", lambda f: f.write(json.dumps({"version": v}).encode()))
+        for p in self.dir.glob("redo-*.pt"):
+            p.unlink()
+
+    # ------------------------------------------------------------ applying
+    @staticmethod
+    def records(flat_of, decoded: list[codec.DecodedChunk]) -> list[Record]:
+        """The new bits at every changed position, from the target's current bits."""
+        out = []
+        for d in decoded:
+            t = bits(flat_of(d.header.name))
+            pos = d.positions.to(torch.int64)
+            vals = d.values.view(t.dtype) if d.values.dtype != t.dtype else d.values
+            if d.op == OP_XOR:
+                new = t[pos] ^ vals
+            elif d.op == OP_ULP:
+                new = ulp_add_reference(t[pos], d.values)
+            else:
+                new = vals.clone()
+            out.append((d.header.name, pos, new))
+        return out
+
+    def begin(self, v: int, recs: list[Record]) -> None:
+        self._write(self.dir / f"redo-{v:010d}.pt", lambda f: torch.save(recs, f))
+
+    @staticmethod
+    def apply(flat_of, recs: list[Record]) -> dict[str, tuple[int, int]]:
+        """Overwrite with the records (idempotent); per tensor, the digest terms before/after."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, pos, new in recs:
+            b, a = digest.scatter_terms(flat_of(name), pos, new, OP_OVERWRITE)
+            ob, oa = out.get(name, (0, 0))
+            out[name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+            fault_point()
+        return out
+
+    def replay(self, flat_of) -> int | None:
+        """Complete a pending (possibly torn) apply; the version then held, or None."""
+        p = self.pending()
+        if p is None:
+            return None
+        v, path = p
+        self.apply(flat_of, torch.load(path, weights_only=True))
+        self.done(v)
+        return v
