@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all placement faults demo bench bench-refit bench-relay lint kernels clean
+.PHONY: setup test test-all placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,13 @@ bench-refit: setup
 # Needs root: 2 regions x 4 receivers behind tbf-shaped links; dense/DCR via S3 vs the relay tree (~4 min).
 bench-relay: setup
 	$(BIN)/nemo-dcr bench relay --json benchmarks/results/relay.json
+
+# The planner against the committed results; bench-plan re-measures first (root, ~8 minutes).
+plan-validate: setup
+	$(BIN)/nemo-dcr plan --validate --json benchmarks/results/plan_validation.json || true
+	$(BIN)/nemo-dcr plan --scenarios --json benchmarks/results/plan_scenarios.json
+
+bench-plan: bench-refit bench-relay plan-validate
 
 lint: setup
 	$(BIN)/ruff check .

@@ -8,6 +8,7 @@
   nemo-dcr bench cuda [...]           CUDA kernels vs the CPU reference, timed vs a copy (GPU)
   nemo-dcr build-kernels [--cuda]     compile the CPU kernels (and the CUDA ones with nvcc)
   nemo-dcr relay --parent URL         a relay node of the fan-out tree
+  nemo-dcr plan --params 1e12 ...     predict a refit's time (--validate, --scenarios)
   nemo-dcr receive --store URL ...    a receiver following a store or relay
 """
 
@@ -120,6 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--receivers", type=_positive, default=4, help="receivers per region")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
+    pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
+    pl.add_argument("--params", type=float, default=None, help="parameters (e.g. 1e12)")
+    pl.add_argument("--rate", type=float, default=0.03, help="BF16 change rate")
+    pl.add_argument("--dtype-bytes", type=int, default=2)
+    pl.add_argument("--tp", type=_positive, default=8)
+    pl.add_argument("--pp", type=_positive, default=1)
+    pl.add_argument("--dp", type=_positive, default=1, help="data-parallel copies (they do not send)")
+    pl.add_argument("--sender-device", choices=["gpu", "cpu"], default="gpu")
+    pl.add_argument("--encode-cores", type=_positive, default=8, help="CPU cores encoding per sender")
+    pl.add_argument("--upload-mbps", type=float, default=0.0, help="senders -> store, MB/s all together (0: no limit)")
+    pl.add_argument("--link-mbps", type=float, default=381.0, help="inter-region link, MB/s")
+    pl.add_argument("--latency", type=float, default=0.05, help="inter-region one-way latency, s")
+    pl.add_argument("--regions", type=_positive, default=1)
+    pl.add_argument("--receivers", type=_positive, default=1, help="per region")
+    pl.add_argument("--transport", choices=["relay", "s3"], default="relay")
+    pl.add_argument("--fanout", type=_positive, default=8)
+    pl.add_argument("--relay-cores", type=_positive, default=8)
+    pl.add_argument("--intra-mbps", type=float, default=12500.0, help="inside a region, MB/s")
+    pl.add_argument("--receiver-device", choices=["gpu", "cpu"], default="gpu")
+    pl.add_argument("--receiver-cores", type=_positive, default=8, help="GPUs or cores per receiver")
+    pl.add_argument("--part-mb", type=float, default=4.0)
+    pl.add_argument("--validate", action="store_true", help="predict every benchmarked configuration vs measured")
+    pl.add_argument("--scenarios", action="store_true", help="the paper's scenarios (30B/235B/1T)")
+    pl.add_argument("--json", default=None, help="write the result as JSON here")
+
     ry = sub.add_parser("relay", help="run a relay node of the fan-out tree (docs/RELAY.md)")
     ry.add_argument("--parent", default=None, help="upstream store URL (comma-separated: failover chain)")
     ry.add_argument("--topology", default=None, help="relay tree config (YAML); with --name")
@@ -206,6 +232,31 @@ def _receive_store(args) -> str:
     return args.store
 
 
+def _plan(args) -> int:
+    from nemo_dcr_callback import planner
+    if args.validate:
+        rows = planner.run_validate(args.json)
+        return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
+    if args.scenarios:
+        planner.run_scenarios(args.json)
+        return 0
+    if args.params is None:
+        raise ValueError("give --params (or --validate / --scenarios)")
+    inp = planner.PlanInput(args.params, args.rate, args.dtype_bytes, senders=args.tp * args.pp,
+                            sender_device=args.sender_device, encode_cores=args.encode_cores,
+                            upload_MBps=args.upload_mbps, link_MBps=args.link_mbps, link_latency_s=args.latency,
+                            regions=args.regions, receivers=args.receivers, transport=args.transport,
+                            fanout=args.fanout, relay_cores=args.relay_cores, intra_MBps=args.intra_mbps,
+                            receiver_device=args.receiver_device, receiver_cores=args.receiver_cores,
+                            part_MB=args.part_mb)
+    p = planner.plan(inp, planner.Coefficients.load())
+    if args.json:
+        from pathlib import Path
+        Path(args.json).write_text(json.dumps(p, indent=2) + "\n")
+    planner.print_plan(p)
+    return 0
+
+
 def _relay(args) -> int:
     import os
 
@@ -267,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, json_path=args.json)
         elif args.cmd == "relay":
             return _relay(args)
+        elif args.cmd == "plan":
+            return _plan(args)
         elif args.cmd == "s3-server":
             from nemo_dcr_callback.transport.seaweed import SeaweedS3
             s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port).start()

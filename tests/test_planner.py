@@ -1,0 +1,47 @@
+"""The refit planner: calibrated from the committed benchmark results, checked against the
+times those benchmarks measured (docs/PLANNER.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_dcr_callback import planner
+from nemo_dcr_callback.cli import main
+
+
+def test_predictions_against_measured_refits():
+    """Within 20% of every measured configuration but one known miss: 8 receivers, 3 relays,
+    the store and the sender on 2 shared cores (see docs/PLANNER.md). A new miss fails."""
+    rows = planner.validate()
+    assert len(rows) == 6
+    misses = [r["case"] for r in rows if abs(r["error"]) > 0.2]
+    assert misses == ["bench relay dcr-relay (8 receivers)"], rows
+    by = {r["case"]: r for r in rows}
+    assert by["bench relay dcr-relay (8 receivers)"]["predicted_s"] < by["bench relay dcr-s3 (8 receivers)"][
+        "predicted_s"]
+
+
+def test_model_shape():
+    co = planner.Coefficients.load()
+    assert all(v for v in co.sources.values()) and "codec.json" in co.sources["ratio, kernel, encode, decode, apply"]
+    base = planner.PlanInput(1e12, 0.03, senders=256, sender_device="gpu", encode_cores=8, link_MBps=381.0,
+                             link_latency_s=0.05, receivers=64, transport="relay", relay_cores=8,
+                             intra_MBps=12500.0, receiver_device="gpu", receiver_cores=8)
+    relay = planner.plan(base, co)
+    s3 = planner.plan(planner.PlanInput(**{**base.__dict__, "transport": "s3"}), co)
+    one = planner.plan(planner.PlanInput(**{**base.__dict__, "receivers": 1}), co)
+    assert relay["payload_bytes"] == pytest.approx(2e12 / planner._interp(co.ratio, 0.03))
+    assert relay["total_s"] <= 100.0  # the design target: 1T at 3% in <= 100 s over 381 MB/s
+    assert s3["total_s"] > 30 * relay["total_s"]  # every receiver pulling across the link
+    assert relay["total_s"] < 1.05 * one["total_s"]  # the tree: 64 receivers cost about as much as one
+    assert relay["dense_one_copy_s"] > 50 * relay["total_s"]
+    with pytest.raises(ValueError, match="transport"):
+        planner.plan(planner.PlanInput(1e9, transport="carrier-pigeon"), co)
+
+
+def test_cli(capsys):
+    assert main(["plan", "--params", "30e9", "--rate", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "critical path" in out and "total refit" in out
+    assert main(["plan"]) == 2
+    assert main(["plan", "--validate"]) == 1  # the known miss: the target (all within 20%) is not met
