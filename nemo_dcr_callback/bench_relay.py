@@ -129,8 +129,11 @@ def _client_main(args: list[str]) -> int:
     from urllib.parse import urlparse
 
     url, keys, reps = args[0], json.loads(args[1]), int(args[2])
+    start_at = float(args[3]) if len(args) > 3 else 0.0
     u = urlparse(url)
     sock = socket.create_connection((u.hostname, u.port))
+    while time.time() < start_at:  # every client starts together, after its interpreter is up
+        time.sleep(0.001)
     auth = f"Authorization: Bearer {os.environ[TOKEN_ENV]}\r\n"
     buf = memoryview(bytearray(64 << 20))
     n = 0
@@ -156,7 +159,7 @@ def _client_main(args: list[str]) -> int:
                     raise RuntimeError(f"GET {k}: short body")
                 got += m
             n += got
-    print(json.dumps({"bytes": n, "s": time.perf_counter() - t0}), flush=True)
+    print(json.dumps({"bytes": n, "s": time.perf_counter() - t0, "end": time.time()}), flush=True)
     return 0
 
 
@@ -179,13 +182,16 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
         json.loads(warm.stdout)
         trials = []
         for _ in range(trials_n):
+            start = time.time() + 5.0  # after the clients' start-up (not part of the figure)
             cs = [subprocess.Popen([sys.executable, "-m", "nemo_dcr_callback.bench_relay", "client", base,
-                                    json.dumps(keys), str(reps)], env=env, stdout=subprocess.PIPE, text=True)
-                  for _ in range(clients)]
+                                    json.dumps(keys), str(reps), str(start)], env=env, stdout=subprocess.PIPE,
+                                   text=True) for _ in range(clients)]
+            while time.time() < start:
+                time.sleep(0.001)
             cpu0 = _cpu_s(proc.p.pid)
-            t0 = time.perf_counter()
-            total = sum(json.loads(c.communicate()[0])["bytes"] for c in cs)
-            wall = time.perf_counter() - t0
+            outs = [json.loads(c.communicate()[0]) for c in cs]
+            total = sum(o["bytes"] for o in outs)
+            wall = max(o["end"] for o in outs) - start
             cpu = _cpu_s(proc.p.pid) - cpu0
             trials.append({"bytes": total, "wall_s": wall, "MB_per_s": total / wall / 1e6, "relay_cpu_s": cpu,
                            "relay_MB_per_cpu_s": total / max(cpu, 1e-9) / 1e6})
