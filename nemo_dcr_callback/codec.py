@@ -405,9 +405,14 @@ def _streams(mv: memoryview, h: ChunkHeader) -> list[np.ndarray]:
         off += stored
         if codec == ZSTD:
             try:
+                # a frame that declares more than the header's raw size is refused before
+                # anything is allocated (a crafted size must not become a huge allocation)
+                declared = zstandard.frame_content_size(data)
+                if declared > raw:
+                    raise ChunkError(f"zstd stream declares {declared} bytes, the header {raw}")
                 dec = _zd().decompress(data, max_output_size=raw)
-            except zstandard.ZstdError as exc:
-                raise ChunkError(f"zstd stream corrupt: {exc}") from None
+            except (zstandard.ZstdError, MemoryError) as exc:
+                raise ChunkError(f"zstd stream corrupt: {type(exc).__name__} {exc}") from None
             if len(dec) != raw:
                 raise ChunkError("zstd stream has the wrong length")
             out.append(np.frombuffer(dec, dtype=np.uint8))

@@ -251,3 +251,23 @@ def test_fuzz_every_stream_mode_with_reference(reference_only):
             codec.apply_chunk(buf, t)
         except ChunkError:
             assert torch.equal(bits(t), bits(old))
+
+
+def test_zstd_stream_declaring_a_huge_size_is_refused_not_allocated():
+    """Found by the fuzz test in CI: a zstd frame whose header declares an enormous content
+    size (checksum valid) must be a ChunkError naming it, not a MemoryError."""
+    old, _, c = _FUZZ
+    h = codec.parse_header(c)
+    off = h.payload_offset
+    for _raw, stored, kind in h.streams:
+        if kind == codec.ZSTD:
+            break
+        off += stored
+    else:
+        pytest.skip("no zstd stream in this chunk")
+    b = bytearray(c)
+    b[off + 4:off + 13] = b"\xe0" + struct.pack("<Q", 1 << 40)  # single segment, 8-byte content size: 1 TB
+    target = old.clone()
+    with pytest.raises(ChunkError, match="declares 1099511627776 bytes"):
+        codec.apply_chunk(_resum(b), target)
+    assert torch.equal(bits(target), bits(old))

@@ -201,8 +201,8 @@ def test_damaged_chunks_refused_aborted_and_resent(stores, table, how):
     t0 = time.perf_counter()
     d = commit.run_commit(direct, rec, commit.CommitPolicy("abort", timeout=30))
     assert d["decision"] == "abort", d
-    acks = commit.read_acks(direct, 1)
-    assert len(acks) == 2 and not any(a["ok"] for a in acks.values())
+    acks = commit.read_acks(direct, 1)  # the first refusal aborts: a receiver that sees the abort
+    assert acks and not any(a["ok"] for a in acks.values())  # first skips the version without an ack
     reason = next(iter(acks.values()))["error"]
     assert {"corrupt": "checksum", "truncated": "truncated", "missing": "missing", "duplicated": "manifest",
             "reordered": "manifest"}[how] in reason, reason
