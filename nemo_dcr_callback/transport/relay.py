@@ -195,21 +195,7 @@ class Relay:
             seen = self.missing.get(key)
             if seen is not None and time.monotonic() - seen < self.cfg.poll_s:
                 return None
-        fut = self.inflight.get(key)
-        if fut is not None:
-            return await asyncio.shield(fut)
-        fut = asyncio.get_running_loop().create_future()
-        self.inflight[key] = fut
-        try:
-            res = await self._fetch_upstream(key)
-            fut.set_result(res)
-            return res
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: waiters re-raise it
-            raise
-        finally:
-            self.inflight.pop(key, None)
+        return await _single_flight(self.inflight, key, lambda: self._fetch_upstream(key))
 
     async def _fetch_upstream(self, key: str) -> tuple[bytes, str] | None:
         try:
@@ -252,26 +238,20 @@ class Relay:
         hit = self.lists.get(k)
         if hit is not None and not fresh and (time.monotonic() - hit[0] < self.cfg.poll_s or self._watched(k)):
             return hit[1]
-        fut = self.list_inflight.get(k)
-        if fut is not None:
-            return await asyncio.shield(fut)
-        fut = asyncio.get_running_loop().create_future()
-        self.list_inflight[k] = fut
-        try:
+
+        async def fetch_list() -> list[str]:
             t = time.monotonic()
-            out = await self._up(getattr(self.parent, op), prefix)
+            try:
+                out = await self._up(getattr(self.parent, op), prefix)
+            except BaseException:
+                self.stats["upstream_errors"] += 1
+                raise
             if hit is None or hit[1] != out:
                 self._bump()
             self.lists[k] = (t, out)
-            fut.set_result(out)
             return out
-        except BaseException as exc:
-            self.stats["upstream_errors"] += 1
-            fut.set_exception(exc)
-            fut.exception()
-            raise
-        finally:
-            self.list_inflight.pop(k, None)
+
+        return await _single_flight(self.list_inflight, k, fetch_list)
 
     def _known_absent(self, key: str) -> bool:
         """A key of a watched version that the watcher's current listing does not have."""
@@ -426,6 +406,26 @@ class Relay:
         if self.runner:
             await self.runner.cleanup()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _single_flight(inflight: dict, key, make):
+    """Run make() once for concurrent askers of one key: the first runs it, the others await
+    its result (or its exception)."""
+    fut = inflight.get(key)
+    if fut is not None:
+        return await asyncio.shield(fut)
+    fut = asyncio.get_running_loop().create_future()
+    inflight[key] = fut
+    try:
+        res = await make()
+        fut.set_result(res)
+        return res
+    except BaseException as exc:
+        fut.set_exception(exc)
+        fut.exception()  # retrieved: waiters re-raise it
+        raise
+    finally:
+        inflight.pop(key, None)
 
 
 class _Fault:
