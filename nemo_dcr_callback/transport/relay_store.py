@@ -139,16 +139,20 @@ class FailoverStore:
             try:
                 return getattr(self.stores[i], op)(*args)
             except StoreError as exc:
-                with self._lock:
-                    if self.i == i:
-                        if i + 1 >= len(self.stores):
-                            raise
-                        self.i = i + 1
-                        self.failovers += 1
-                        self.failed_at = time.monotonic()
-                        if not self.quiet:
-                            print(f"nemo-dcr: {exc}; re-attaching to {getattr(self.stores[i + 1], 'url', '?')}",
-                                  file=sys.stderr, flush=True)
+                self._advance(i, exc)
+
+    def _advance(self, i: int, exc: StoreError) -> None:
+        """Store i failed: move to the next one (once, whoever saw it first), or re-raise at the end."""
+        with self._lock:
+            if self.i == i:
+                if i + 1 >= len(self.stores):
+                    raise exc
+                self.i = i + 1
+                self.failovers += 1
+                self.failed_at = time.monotonic()
+                if not self.quiet:
+                    print(f"nemo-dcr: {exc}; re-attaching to {getattr(self.stores[i + 1], 'url', '?')}",
+                          file=sys.stderr, flush=True)
 
     def get(self, key):
         return self._call("get", key)
@@ -173,10 +177,10 @@ class FailoverStore:
 
         i = self.i
         try:
-            return wait_change(self.current, token, 0.005, limit)
-        except StoreError:
-            self._call("exists", "receivers/")  # moves down the chain (and says so)
-            return 0 if self.i != i else token
+            return wait_change(self.stores[i], token, 0.005, limit)
+        except StoreError as exc:
+            self._advance(i, exc)
+            return 0  # a token of the store now in use
 
     def delete(self, keys):
         return self.stores[-1].delete(keys)
