@@ -262,13 +262,16 @@ def write_ack(store, v: int, receiver: str, base: int, ok: bool = True, error: s
                                                    time=time.time())).encode())
 
 
-def read_acks(store, v: int) -> dict[str, Ack]:
-    out = {}
+def read_acks(store, v: int, seen: dict[str, Ack] | None = None) -> dict[str, Ack]:
+    """The acks of v by receiver. `seen` (ack object name -> ack) caches what earlier calls
+    read: acks are written once, so a poll lists and reads only the new ones."""
+    seen = {} if seen is None else seen
     for name in store.children(f"{vdir(v)}/acks"):
-        a = read_json(store, f"{vdir(v)}/acks/{name}")
-        if a is not None:
-            out[a["receiver"]] = a
-    return out
+        if name not in seen:
+            a = read_json(store, f"{vdir(v)}/acks/{name}")
+            if a is not None:
+                seen[name] = a
+    return {a["receiver"]: a for a in seen.values()}
 
 
 # ------------------------------------------------------------------ the joint commit
@@ -329,14 +332,9 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
         expected = sorted(receivers(store, policy.live_s))
     deadline = time.monotonic() + policy.timeout
     need = math.ceil(policy.quorum * len(expected))
-    seen: dict[str, Ack] = {}  # acks are written once: each poll lists, and reads only new ones
+    seen: dict[str, Ack] = {}
     while True:
-        for name in store.children(f"{vdir(v)}/acks"):
-            if name not in seen:
-                a = read_json(store, f"{vdir(v)}/acks/{name}")
-                if a is not None:
-                    seen[name] = a
-        acks = {a["receiver"]: a for a in seen.values() if a["receiver"] in expected}
+        acks = {k: a for k, a in read_acks(store, v, seen).items() if k in expected}
         ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
         refused = [k for k, a in acks.items() if not (a["ok"] and a["base"] == base)]
         if len(ok) == len(expected):

@@ -167,10 +167,10 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
 
 
 # ------------------------------------------------------------------ validation against our runs
-def validation_cases(results: Path = RESULTS) -> list[tuple[str, PlanInput, float]]:
+def validation_cases(results: Path = RESULTS, co: Coefficients | None = None) -> list[tuple[str, PlanInput, float]]:
     """(name, input, measured seconds) for every configuration the link and relay benchmarks ran."""
     out = []
-    put = Coefficients.load(results).store_put_MBps
+    put = (co or Coefficients.load(results)).store_put_MBps
     refit = json.loads((results / "refit.json").read_text())
     for r in refit["rows"]:
         out.append((f"bench refit {100 * r['target_rate']:.0f}% (S3, 1 receiver)",
@@ -194,7 +194,7 @@ def validation_cases(results: Path = RESULTS) -> list[tuple[str, PlanInput, floa
 def validate(results: Path = RESULTS) -> list[dict]:
     co = Coefficients.load(results)
     rows = []
-    for name, inp, measured in validation_cases(results):
+    for name, inp, measured in validation_cases(results, co):
         p = plan(inp, co)
         rows.append({"case": name, "predicted_s": p["total_s"], "measured_s": measured,
                      "error": p["total_s"] / measured - 1, "critical_path": p["critical_path"]})
