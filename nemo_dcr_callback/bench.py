@@ -7,7 +7,6 @@ are per core). Every round trip is checked bit for bit against the new BF16 weig
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ import zstandard
 from nemo_dcr_callback import codec, kernels, synthetic
 from nemo_dcr_callback.codec import Layout, ValueMode
 from nemo_dcr_callback.delta import bits, take_delta
+from nemo_dcr_callback.results import write_json
 
 
 def _median_time(fn, reps: int, setup=None) -> float:
@@ -170,7 +170,5 @@ def run(params: int = 1 << 26, rates=(0.01, 0.03, 0.05), reps: int = 5, seed: in
            "results": results}
     print(format_table(results))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, out)
     return out

@@ -12,7 +12,6 @@ delta pass and the apply alike, so the ratios compare one shard's handling with 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from nemo_dcr_callback import cuda_kernels, delta, kernels
 from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.results import write_json
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
 TARGETS = {"delta": 0.70, "apply": 0.50}  # of the measured copy bandwidth (issue 8)
@@ -389,10 +389,7 @@ def run(sizes_mib: list[int], rates: list[float], reps: int = 10, json_path: str
         "delta": bool(gpu_rows) and all(r["delta_vs_copy"] >= TARGETS["delta"] for r in gpu_rows),
         "apply": bool(gpu_rows) and all(r["apply_vs_copy"] >= TARGETS["apply"] for r in gpu_rows),
     }
-    path = Path(json_path) if json_path else default_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(json_path or default_json(), result)
     if failures:
         print(f"CHECK FAILED: {len(failures)} of {result['check']['cases']} cases", flush=True)
     print_table(rows)

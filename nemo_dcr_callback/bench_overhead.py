@@ -9,13 +9,13 @@ so the callback's work and its background thread's contention are included).
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
 from nemo_dcr_callback.launch import torchrun_cmd
+from nemo_dcr_callback.results import write_json
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
@@ -51,7 +51,5 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
           f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(with_cb)}/{len(without)} steps, "
           f"TP {tp} x PP {pp} on CPU")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, out)
     return out

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_dcr_callback.results import write_json
+
 RATES = (0.01, 0.03, 0.05)
 
 
@@ -214,9 +216,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     print(f"receiver's DCR-built weights bit-exact with the dense download: {got['bit_exact']}; "
           f"{dense_bytes / 1e9:.2f} GB over {mbit:.0f} Mbit/s")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(res, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, res)
     if not got["bit_exact"]:
         raise RuntimeError(f"receiver differs from the dense refit in {got['mismatch']}")
     return res

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback.bench_refit import ShapedLink
+from nemo_dcr_callback.results import write_json
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
 
@@ -351,9 +352,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
           f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (median of {len(tput['trials'])}, {tput['clients']} "
           f"clients on the same 2 cores; target >= 800), {tput['relay_MB_per_cpu_s']:.0f} MB per relay CPU-second")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(res, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, res)
     return res
 
 

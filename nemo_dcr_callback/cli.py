@@ -251,8 +251,8 @@ def _plan(args) -> int:
                             part_MB=args.part_mb)
     p = planner.plan(inp, planner.Coefficients.load())
     if args.json:
-        from pathlib import Path
-        Path(args.json).write_text(json.dumps(p, indent=2) + "\n")
+        from nemo_dcr_callback.results import write_json
+        write_json(args.json, p, quiet=True)
     planner.print_plan(p)
     return 0
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+from nemo_dcr_callback.results import RESULTS, write_json
 
 
 def _interp(table: dict[float, float], rate: float) -> float:
@@ -245,9 +245,7 @@ def run_validate(json_path: str | None = None) -> list[dict]:
     ok = sum(abs(r["error"]) <= 0.2 for r in rows)
     print(f"{ok}/{len(rows)} within 20% (target: all)")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"validation": rows, "coefficients": asdict(Coefficients.load())},
-                                              indent=2) + "\n")
+        write_json(json_path, {"validation": rows, "coefficients": asdict(Coefficients.load())}, quiet=True)
     return rows
 
 
@@ -260,6 +258,5 @@ def run_scenarios(json_path: str | None = None) -> list[dict]:
               f"{r['payload_GB']:7.1f}GB {r['total_s']:8.1f}s {r['dense_one_copy_s'] / 60:12.1f}min  "
               f"{r['critical_path']}")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"scenarios": rows}, indent=2) + "\n")
+        write_json(json_path, {"scenarios": rows}, quiet=True)
     return rows
