@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from nemo_dcr_callback import kernels
 from nemo_dcr_callback.delta import SparseDelta, bits, index_dtype
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -75,10 +76,8 @@ def _source_tag() -> str:
 
 
 def library_path() -> Path:
-    """Where the built library lives: cuda_ext/build (or $NEMO_DCR_BUILD_DIR), tagged by hash."""
-    override = os.environ.get("NEMO_DCR_BUILD_DIR")
-    build_dir = Path(override) if override else _REPO / "cuda_ext" / "build"
-    return build_dir / f"libdcr_cuda-{_source_tag()}.so"
+    """The CUDA library's path (kernels.build_dir()), tagged by the source's hash."""
+    return kernels.build_dir() / f"libdcr_cuda-{_source_tag()}.so"
 
 
 def build(verbose: bool = False, out: Path | None = None) -> Path:
@@ -86,26 +85,12 @@ def build(verbose: bool = False, out: Path | None = None) -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
-    out = out or library_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = nvcc_command(nvcc, SOURCE, tmp)
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    subprocess.run(cmd, check=True)
-    os.replace(tmp, out)
-    return out
+    return kernels.compile_to(out or library_path(), lambda tmp: nvcc_command(nvcc, SOURCE, tmp), verbose)
 
 
 def load(path: Path) -> ctypes.CDLL:
     """Load a built library and declare its signatures (no CUDA call: works without a GPU)."""
-    lib = ctypes.CDLL(str(path))
-    for name, (res, args) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    if lib.dcr_cuda_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI {lib.dcr_cuda_abi_version()} != {ABI_VERSION}")
-    return lib
+    return kernels.load_library(path, _SIGNATURES, "dcr_cuda_abi_version", ABI_VERSION)
 
 
 def library() -> ctypes.CDLL | None:

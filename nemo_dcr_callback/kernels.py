@@ -52,23 +52,23 @@ def _source_tag() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """Where the built library lives: next to the sources, tagged by their hash."""
+def build_dir() -> Path:
+    """Where built libraries live: cuda_ext/build, or $NEMO_DCR_BUILD_DIR."""
     override = os.environ.get("NEMO_DCR_BUILD_DIR")
-    build_dir = Path(override) if override else SOURCE.parent.parent / "build"
-    return build_dir / f"libdcr_cpu-{_source_tag()}.so"
+    return Path(override) if override else _REPO / "cuda_ext" / "build"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the CPU library with g++ (C++17, -O3, pthreads). Returns its path."""
-    out = library_path()
+def library_path() -> Path:
+    """The CPU library's path, tagged by the source's hash."""
+    return build_dir() / f"libdcr_cpu-{_source_tag()}.so"
+
+
+def compile_to(out: Path, command, verbose: bool = False) -> Path:
+    """Run command(tmp) to build into a temporary name next to `out`, then rename: a reader
+    never loads a half-written library."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = os.environ.get("NEMO_DCR_CXXFLAGS", "-O3 -march=native").split()
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *flags, "-std=c++17", "-fPIC", "-shared", "-pthread", str(SOURCE), "-o", str(tmp)]
+    cmd = command(tmp)
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
@@ -76,14 +76,30 @@ def build(verbose: bool = False) -> Path:
     return out
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load_library(path: Path, signatures: dict, abi_fn: str, abi: int) -> ctypes.CDLL:
+    """Load a library through ctypes, declare its signatures and check its ABI version."""
     lib = ctypes.CDLL(str(path))
-    for name, (res, args) in _SIGNATURES.items():
+    for name, (res, args) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
-    if lib.dcr_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{path}: ABI {lib.dcr_abi_version()} != {ABI_VERSION}")
+    got = getattr(lib, abi_fn)()
+    if got != abi:
+        raise RuntimeError(f"{path}: ABI {got} != {abi}")
     return lib
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the CPU library with g++ (C++17, -O3, pthreads). Returns its path."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    flags = os.environ.get("NEMO_DCR_CXXFLAGS", "-O3 -march=native").split()
+    return compile_to(library_path(), lambda tmp: [cxx, *flags, "-std=c++17", "-fPIC", "-shared", "-pthread",
+                                                   str(SOURCE), "-o", str(tmp)], verbose)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    return load_library(path, _SIGNATURES, "dcr_abi_version", ABI_VERSION)
 
 
 def native() -> ctypes.CDLL | None:
