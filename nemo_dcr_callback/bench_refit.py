@@ -77,6 +77,38 @@ class ShapedLink:
         _sh("ip", "netns", "del", self.ns, check=False)
 
 
+class JsonProc:
+    """A child process printing JSON lines (a benchmark's receiver, a relay announcing its address),
+    read by a thread; its stderr goes to a log file that nobody has to drain."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path):
+        self.log = open(log, "w+")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for x in self.p.stdout:
+            if x.startswith("{"):
+                self.lines.put(json.loads(x))
+            elif "listening on" in x:
+                self.lines.put({"listening": x.split("listening on ")[1].split()[0]})
+
+    def next(self, timeout: float = 900.0) -> dict:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            self.log.seek(0)
+            raise RuntimeError(f"{self.p.args[:6]} stopped answering: {self.log.read()[-2000:]}") from None
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+
 # ------------------------------------------------------------------ receiver (in the namespace)
 def receiver_main(args: list[str]) -> int:
     import argparse
@@ -143,24 +175,10 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     with ShapedLink(mbit) as link, SeaweedS3(work / "s3", ip=link.ip_a) as s3:
         store = s3.store("refit")
         env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1"}
-        rx_err = open(work / "receiver.log", "w+")  # a file, not a pipe nobody drains
-        rx = subprocess.Popen(["ip", "netns", "exec", link.ns, sys.executable, "-m", "nemo_dcr_callback.bench_refit",
-                               "receiver", "--url", s3.url(f"{s3.bucket}/refit"), "--init", str(init),
-                               "--versions", str(len(rates))], stdout=subprocess.PIPE, stderr=rx_err,
-                              text=True, env=env)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(json.loads(x)) for x in rx.stdout if x.startswith("{")],
-                         daemon=True).start()
-
-        def next_line(timeout=900.0) -> dict:
-            try:
-                return lines.get(timeout=timeout)
-            except queue.Empty:
-                rx.kill()
-                rx.wait()
-                rx_err.seek(0)
-                raise RuntimeError("receiver stopped answering: " + rx_err.read()[-2000:]) from None
-
+        rx = JsonProc(["ip", "netns", "exec", link.ns, sys.executable, "-m", "nemo_dcr_callback.bench_refit",
+                       "receiver", "--url", s3.url(f"{s3.bucket}/refit"), "--init", str(init),
+                       "--versions", str(len(rates))], env, work / "receiver.log")
+        next_line = rx.next
         next_line()  # receiver ready (registered, holding version 0)
         sender = TensorSender(cur)
         print(f"link {mbit:.0f} Mbit/s (tbf, veth between namespaces), model {dense_bytes / 1e9:.2f} GB BF16, "
@@ -195,7 +213,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
         store.put("dense/READY.json", b"{}")
         got = next_line()
         dense_s = got["dense_t_loaded"] - t0
-        rx.wait(60)
+        rx.p.wait(60)
     link_bps = mbit * 1e6 / 8
     for r in rows:
         transfer = r["delta_bytes"] / (got["dense_bytes"] / (dense_s - (t_up - t0)))

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback.bench_refit import ShapedLink
+from nemo_dcr_callback.bench_refit import JsonProc, ShapedLink
 from nemo_dcr_callback.results import write_json
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
@@ -82,42 +80,12 @@ def receiver_main(args: list[str]) -> int:
     return 0
 
 
-class _Proc:
-    """A child process printing JSON lines."""
-
-    def __init__(self, cmd: list[str], env: dict, log: Path):
-        self.log = open(log, "w+")
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for x in self.p.stdout:
-            if x.startswith("{"):
-                self.lines.put(json.loads(x))
-            elif "listening on" in x:
-                self.lines.put({"listening": x.split("listening on ")[1].split()[0]})
-
-    def next(self, timeout: float = 900.0) -> dict:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            self.kill()
-            self.log.seek(0)
-            raise RuntimeError(f"{self.p.args[:6]} stopped answering: {self.log.read()[-2000:]}") from None
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait()
-
-
 def _in_ns(ns: str | None, cmd: list[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd] if ns else cmd
 
 
-def _relay(ns, host, parent, name, env, work) -> tuple[_Proc, str]:
-    p = _Proc(_in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
+def _relay(ns, host, parent, name, env, work) -> tuple[JsonProc, str]:
+    p = JsonProc(_in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
                           "--listen", f"{host}:0", "--poll-ms", "5"]), env, work / f"relay-{name}.log")
     return p, p.next(60)["listening"]
 
@@ -242,8 +210,8 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
             store = s3.store(name)
             init = work / f"init-{name}.safetensors"
             save_file(cur, str(init))
-            procs: list[_Proc] = []
-            rx: list[_Proc] = []
+            procs: list[JsonProc] = []
+            rx: list[JsonProc] = []
             try:
                 root_url = None
                 if name.startswith("dcr-relay"):
@@ -260,7 +228,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                         procs.append(p)
                         url = f"{rurl},{root_url},{s3.url(prefix)}"
                     for i in range(n):
-                        rx.append(_Proc(_in_ns(link.ns, [
+                        rx.append(JsonProc(_in_ns(link.ns, [
                             sys.executable, "-m", "nemo_dcr_callback.bench_relay", "receiver", "--url", url,
                             "--dense-url", s3.url(prefix), "--init", str(init), "--id", f"{region}-{i}",
                             "--versions", "0" if name == "dense-s3" else str(versions)]),
