@@ -12,6 +12,7 @@ delta pass and the apply alike, so the ratios compare one shard's handling with 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -277,6 +278,9 @@ def time_case(mib: int, rate: float, reps: int, gen: torch.Generator, pinned: bo
     stream = torch.cuda.current_stream().cuda_stream
     dst = torch.empty_like(new)
     copy_s = _time(lambda: dst.copy_(new), reps)
+    # torch's elementwise XOR of the same two tensors into a third: reads what the delta pass
+    # reads and writes a dense output, a second reference for the pass's bandwidth.
+    xor_s = _time(lambda: torch.bitwise_xor(bits(new), bits(old), out=bits(dst)), reps)
     dst = None  # frees it
     base = torch.empty(n, dtype=torch.bfloat16, pin_memory=True) if pinned else torch.empty_like(old)
     c, b = bits(new), bits(base)
@@ -300,7 +304,7 @@ def time_case(mib: int, rate: float, reps: int, gen: torch.Generator, pinned: bo
         raise AssertionError(f"delta count {res.tolist()} != {changed} changes of {n}")
     delta_new_s = _time(lambda: launch(nv.data_ptr()), reps, restore)
     row = {"mib": mib, "rate": changed / n, "changed": changed, "baseline": "pinned" if pinned else "gpu",
-           "copy_gbps": nbytes / copy_s / 1e9, "delta_gbps": nbytes / delta_s / 1e9,
+           "copy_gbps": nbytes / copy_s / 1e9, "xor_gbps": nbytes / xor_s / 1e9, "delta_gbps": nbytes / delta_s / 1e9,
            "delta_new_gbps": nbytes / delta_new_s / 1e9}
     if not pinned:
         target = old.clone()
@@ -334,14 +338,15 @@ def time_case(mib: int, rate: float, reps: int, gen: torch.Generator, pinned: bo
 
 def print_table(rows: list[dict]) -> None:
     print("\nCUDA kernels vs a device-to-device copy of the same bytes (BF16, GB/s of input, medians)")
-    print(f"{'MiB':>5} {'base':>6} {'rate':>6} {'copy':>7} {'delta':>7} {'%copy':>6} {'+new':>7} {'%copy':>6} "
-          f"{'apply':>8} {'%copy':>6} {'take ms':>8}")
+    print(f"{'MiB':>5} {'base':>6} {'rate':>6} {'copy':>7} {'xor':>7} {'delta':>7} {'%copy':>6} {'+new':>7} "
+          f"{'%copy':>6} {'apply':>8} {'%copy':>6} {'take ms':>8}")
     for r in rows:
         apply = f"{'-':>8} {'-':>6}"
         if "apply_gbps" in r:
             apply = f"{r['apply_gbps']:8.0f} {100 * r['apply_vs_copy']:5.0f}%"
         take = f"{r['take_pinned_ms']:8.1f}" if "take_pinned_ms" in r else f"{'-':>8}"
-        print(f"{r['mib']:5d} {r['baseline']:>6} {100 * r['rate']:5.2f}% {r['copy_gbps']:7.0f} {r['delta_gbps']:7.0f} "
+        print(f"{r['mib']:5d} {r['baseline']:>6} {100 * r['rate']:5.2f}% {r['copy_gbps']:7.0f} {r['xor_gbps']:7.0f} "
+              f"{r['delta_gbps']:7.0f} "
               f"{100 * r['delta_vs_copy']:5.0f}% {r['delta_new_gbps']:7.0f} {100 * r['delta_new_vs_copy']:5.0f}% "
               f"{apply} {take}")
 
@@ -362,11 +367,13 @@ def run(sizes_mib: list[int], rates: list[float], reps: int = 10, json_path: str
     if cuda_kernels.library() is None:
         print("nemo-dcr bench cuda: error: the CUDA kernels did not build or load", file=sys.stderr)
         return 2
+    defines = cuda_kernels.tuning_defines()
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"library {cuda_kernels.library_path().name}", flush=True)
+          f"library {cuda_kernels.library_path().name}{' ' + ' '.join(defines) if defines else ''}", flush=True)
     result: dict = {"device": props.name, "torch": torch.__version__, "library": cuda_kernels.library_path().name,
-                    "targets": TARGETS, "definition": "GB/s of input: n x element size / median kernel time"}
+                    "targets": TARGETS, "definition": "GB/s of input: n x element size / median kernel time",
+                    "defines": defines}
     failures: list[str] = []
     if check:
         ck = run_checks()
@@ -399,6 +406,31 @@ def run(sizes_mib: list[int], rates: list[float], reps: int = 10, json_path: str
     return 1 if failures else 0
 
 
+def summarize(paths: list[str], json_path: str | None = None) -> int:
+    """scripts/cuda_tune.sh's last step: one row per variant (its defines, its checks, the delta
+    pass and the apply as % of the copy at each rate), written to cuda_tune.json."""
+    variants = []
+    for path in paths:
+        r = json.loads(Path(path).read_text())
+        gpu = [x for x in r.get("rows", []) if x["baseline"] == "gpu"]
+        variants.append({"defines": r.get("defines", []), "check": r.get("check"), "rows": gpu,
+                         "delta_vs_copy_min": min((x["delta_vs_copy"] for x in gpu), default=None),
+                         "apply_vs_copy_min": min((x["apply_vs_copy"] for x in gpu), default=None)})
+    print("\nCUDA delta kernel variants (GB/s of input as % of the copy; min over the rows)")
+    print(f"{'variant':<44} {'checks':>12} {'delta':>7} {'+new':>6} {'apply':>7}")
+    for v in variants:
+        ck = v["check"] or {}
+        checks = f"{ck.get('cases', 0) - len(ck.get('failures', []))}/{ck.get('cases', 0)} ok" if ck else "-"
+        new = min((x["delta_new_vs_copy"] for x in v["rows"]), default=float("nan"))
+        d, a = v["delta_vs_copy_min"], v["apply_vs_copy_min"]
+        print(f"{' '.join(v['defines']) or '(defaults)':<44} {checks:>12} "
+              f"{100 * d if d is not None else float('nan'):6.0f}% {100 * new:5.0f}% "
+              f"{100 * a if a is not None else float('nan'):6.0f}%")
+    out = Path(json_path) if json_path else default_json().with_name("cuda_tune.json")
+    write_json(out, {"variants": variants, "targets": TARGETS})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nemo_dcr_callback.bench_cuda", description=__doc__.split("\n")[0])
     p.add_argument("--sizes-mib", default="256,1024")
@@ -406,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="tabulate the results of several runs (variants)")
     a = p.parse_args(argv)
+    if a.summarize:
+        return summarize(a.summarize, a.json)
     return run([int(x) for x in a.sizes_mib.split(",") if x], [float(x) for x in a.rates.split(",") if x],
                a.reps, a.json, check=not a.skip_check)
 

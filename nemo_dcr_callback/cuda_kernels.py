@@ -60,10 +60,21 @@ def nvcc_path() -> str | None:
     return None
 
 
+def tuning_defines() -> list[str]:
+    """The kernel's tuning knobs from $NEMO_DCR_CUDA_DEFINES (for example "-DDCR_BLOCK=128"):
+    the device check tries variants this way; the defaults in the .cu are the measured best."""
+    flags = os.environ.get("NEMO_DCR_CUDA_DEFINES", "").split()
+    bad = [f for f in flags if not f.startswith("-DDCR_")]
+    if bad:
+        raise RuntimeError(f"NEMO_DCR_CUDA_DEFINES takes -DDCR_<KNOB>=<value> flags only, not {bad}")
+    return flags
+
+
 def nvcc_command(nvcc: str, source: Path, out: Path) -> list[str]:
     """The compile line: a shared library with the CUDA runtime linked statically (no libcudart
     needed beside it, so a build carried to another machine of the same driver runs)."""
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
+    cmd = [nvcc, "-O3", "-std=c++17", "--threads", "0", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+           *tuning_defines()]
     for g in GENCODE:
         cmd += ["-gencode", g]
     return cmd + [str(source), "-o", str(out)]
@@ -72,6 +83,7 @@ def nvcc_command(nvcc: str, source: Path, out: Path) -> list[str]:
 def _source_tag() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join(GENCODE).encode())  # a new target list is a new build
+    h.update(" ".join(tuning_defines()).encode())  # and so is another tuning
     return h.hexdigest()[:16]
 
 
@@ -171,7 +183,7 @@ def _check_pair(current: torch.Tensor, baseline: torch.Tensor) -> None:
         raise ValueError("the CUDA delta kernel takes a CUDA shard")
     if baseline.is_cuda and baseline.device != current.device:
         raise ValueError(f"shard on {current.device}, baseline on {baseline.device}")
-    if not baseline.is_cuda and not baseline.is_pinned():
+    if not baseline.is_cuda and baseline.numel() and not baseline.is_pinned():  # (an empty one is never pinned)
         raise ValueError("a host baseline must be in pinned memory (place_baseline(..., 'pinned'))")
 
 

@@ -39,7 +39,8 @@ struct dcr_emu_dim3 {
 inline dcr_emu_dim3 threadIdx, blockIdx, gridDim, blockDim;
 
 using cudaStream_t = void*;
-enum cudaError_t { cudaSuccess = 0 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorUnknown = 999 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
 enum cudaMemoryType { cudaMemoryTypeUnregistered = 0, cudaMemoryTypeHost = 1, cudaMemoryTypeDevice = 2 };
 struct cudaPointerAttributes {
   cudaMemoryType type;
@@ -48,6 +49,20 @@ struct cudaPointerAttributes {
   void* hostPointer;
 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+// An emulated device of 4 multiprocessors with room for 2 blocks each (the persistent grid).
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  *v = 4;
+  return cudaSuccess;
+}
+template <class K>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) {
+  *n = 2;
+  return cudaSuccess;
+}
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated CUDA error"; }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
   std::memset(p, v, n);
@@ -175,6 +190,10 @@ inline int __ffs(int x) { return __builtin_ffs(x); }
 template <class T>
 T __ldcs(const T* p) {
   return *p;
+}
+template <class T>
+void __stcs(T* p, T v) {
+  *p = v;
 }
 template <class T>
 T __shfl_up_sync(unsigned, T v, unsigned d) {

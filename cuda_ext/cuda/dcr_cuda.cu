@@ -23,9 +23,59 @@
 
 namespace {
 
-constexpr int kBlock = 256;  // threads per block
+// Tuning knobs (defaults measured on an H200: docs/CUDA.md; nemo_dcr_callback.cuda_kernels passes
+// $NEMO_DCR_CUDA_DEFINES to nvcc to try others): threads per block, 16-byte vectors per thread and
+// tile, the minimum resident blocks asked of ptxas (0: none), how a tile gets its id (0: blockIdx,
+// as CUB's single-pass scans do, relying on in-order block dispatch; 1: an atomic counter, no
+// such reliance but one contended atomic before each tile's loads), and the fast zero test of a
+// vector before its per-element mask (0 turns it off); streaming (evict-first) loads and
+// stores of the baseline, the look-back's back-off in ns, and resident blocks that each take
+// tile after tile, loading the next while finishing the current (DCR_PERSIST 1); the look-back's
+// depth in groups of 32 predecessors read at once, and the fence before a status store.
+#ifndef DCR_BLOCK
+#define DCR_BLOCK 512
+#endif
+#ifndef DCR_VECS
+#define DCR_VECS 4
+#endif
+#ifndef DCR_MIN_BLOCKS
+#define DCR_MIN_BLOCKS 0
+#endif
+#ifndef DCR_TILE_ORDER
+#define DCR_TILE_ORDER 0
+#endif
+#ifndef DCR_FAST_MASK
+#define DCR_FAST_MASK 1
+#endif
+#ifndef DCR_STREAM_BASE
+#define DCR_STREAM_BASE 0
+#endif
+#ifndef DCR_SLEEP_NS
+#define DCR_SLEEP_NS 32
+#endif
+#ifndef DCR_PERSIST
+#define DCR_PERSIST 0
+#endif
+#ifndef DCR_LB_DEPTH
+#define DCR_LB_DEPTH 1
+#endif
+#ifndef DCR_FENCE
+#define DCR_FENCE 1
+#endif
+
+#if DCR_MIN_BLOCKS > 0
+#define DCR_DELTA_BOUNDS __launch_bounds__(DCR_BLOCK, DCR_MIN_BLOCKS)
+#define DCR_PERSIST_BOUNDS __launch_bounds__(DCR_BLOCK, DCR_MIN_BLOCKS)
+#else
+#define DCR_DELTA_BOUNDS __launch_bounds__(DCR_BLOCK)
+#define DCR_PERSIST_BOUNDS __launch_bounds__(DCR_BLOCK)
+#endif
+
+constexpr int kBlock = DCR_BLOCK;  // threads per block
 constexpr int kWarps = kBlock / 32;
-constexpr int kVecs = 4;  // vectors per thread and tile: independent loads in flight
+constexpr int kVecs = DCR_VECS;  // vectors per thread and tile: independent loads in flight
+static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kWarps <= 32, "DCR_BLOCK: a multiple of 32, at most 1024");
+static_assert(kVecs >= 1 && kVecs <= 4, "DCR_VECS: counts are packed in four 16-bit lanes");
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned long long kFlagA = 1ull << 62;  // tile status: aggregate of the tile alone
 constexpr unsigned long long kFlagP = 2ull << 62;  // tile status: inclusive prefix
@@ -76,6 +126,16 @@ struct Pack {
   };
 };
 
+// Whether any bit of two vectors differs: four word compares on the 16-byte path.
+template <class T, int VB>
+__device__ __forceinline__ bool differs(const Pack<T, VB>& a, const Pack<T, VB>& b) {
+  if constexpr (VB == 16) {
+    return ((a.v.x ^ b.v.x) | (a.v.y ^ b.v.y) | (a.v.z ^ b.v.z) | (a.v.w ^ b.v.w)) != 0u;
+  } else {
+    return a.v != b.v;
+  }
+}
+
 // ---------------------------------------------------------------- ulp transform (as dcr_cpu.cpp)
 template <class T>
 __device__ __forceinline__ T fkey(T b) {
@@ -95,33 +155,55 @@ __device__ __forceinline__ T unzigzag(T z) {
 }
 
 // ---------------------------------------------------------------- tile status (look-back)
+// A status word holds its flag and value together (one 64-bit store), so readers need no
+// fence to see them consistent; DCR_FENCE orders the tile's earlier accesses (the overflow
+// flag it read) before the store: 1 a full __threadfence, 2 a release store, 0 neither.
 __device__ __forceinline__ unsigned long long load_status(const unsigned long long* p) {
   return *reinterpret_cast<const volatile unsigned long long*>(p);
 }
 __device__ __forceinline__ void store_status(unsigned long long* p, unsigned long long v) {
-  __threadfence();
+#if DCR_FENCE == 2 && !defined(DCR_EMULATE)
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+  if (DCR_FENCE == 1) __threadfence();
   *reinterpret_cast<volatile unsigned long long*>(p) = v;
+#endif
 }
 
-// Warp 0: the exclusive prefix of `tile` from its predecessors' statuses, 32 at a time (lane l
-// reads tile - 1 - l), stopping at the nearest inclusive prefix (decoupled look-back).
+// Warp 0: the exclusive prefix of `tile` from its predecessors' statuses, 32 x DCR_LB_DEPTH at a
+// time (lane l reads tile - 1 - 32 q - l for q < depth, all loads in flight together), stopping
+// at the nearest inclusive prefix (decoupled look-back). It waits only on predecessors nearer
+// than that prefix: a straggler beyond it does not matter.
 __device__ __forceinline__ int64_t look_back(const unsigned long long* status, int64_t tile, int lane) {
+  constexpr int kDepth = DCR_LB_DEPTH;
   int64_t excl = 0;
-  for (int64_t idx = tile - 1;; idx -= 32) {
-    const int64_t my = idx - lane;
-    unsigned long long s;
-    while (true) {
-      s = my >= 0 ? load_status(status + my) : kFlagP;  // before tile 0: an inclusive prefix of 0
-      if (!__any_sync(kFull, (s >> 62) == 0)) break;
-      __nanosleep(32);
-    }
-    const unsigned p = __ballot_sync(kFull, (s >> 62) == 2);
-    unsigned long long v = s & kValue;
-    if (p && lane > __ffs(p) - 1) v = 0;  // only up to the nearest inclusive prefix
+  int64_t idx = tile - 1;  // the nearest predecessor not yet summed
+  while (true) {
+    unsigned long long s[kDepth];
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-    excl += static_cast<int64_t>(v);
-    if (p) return excl;
+    for (int q = 0; q < kDepth; ++q) {
+      const int64_t my = idx - 32 * q - lane;
+      s[q] = my >= 0 ? load_status(status + my) : kFlagP;  // before tile 0: an inclusive prefix of 0
+    }
+    bool wait = false;
+#pragma unroll
+    for (int q = 0; q < kDepth; ++q) {
+      const unsigned zero = __ballot_sync(kFull, (s[q] >> 62) == 0);
+      const unsigned p = __ballot_sync(kFull, (s[q] >> 62) == 2);
+      const int first = p ? __ffs(p) - 1 : 32;  // the nearest inclusive prefix in this group
+      const unsigned nearer = first == 32 ? kFull : ((1u << first) - 1u);
+      if (zero & nearer) {  // a predecessor nearer than any prefix has not published: retry from here
+        wait = true;
+        break;
+      }
+      unsigned long long v = lane <= first ? (s[q] & kValue) : 0;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+      excl += static_cast<int64_t>(v);
+      if (p) return excl;
+      idx -= 32;
+    }
+    if (wait && DCR_SLEEP_NS) __nanosleep(DCR_SLEEP_NS);
   }
 }
 
@@ -131,65 +213,83 @@ __device__ __forceinline__ int64_t look_back(const unsigned long long* status, i
 // [lo, hi) = [shift, n + shift) from a 16-byte aligned base, so every vector load is aligned.
 // Element order inside a tile is (v, t, e), ascending in j, so ranks from one block scan of
 // the four per-vector counts (packed in 16-bit lanes of a u64) give stable ascending output.
-// Tiles take their ids from an atomic counter (in the order they start, so the look-back only
-// waits on running tiles) and find their output offset by decoupled look-back: one pass.
+// Each tile finds its output offset by decoupled look-back, so the pass reads each byte once.
+// Tile ids: blockIdx (DCR_TILE_ORDER 0), an atomic counter in the order tiles start (1), or
+// (DCR_PERSIST 1) a grid of resident blocks that each take tile after tile from the counter,
+// loading the next tile while the current one scans, looks back and writes. A tile id is only
+// ever held by a running block, so the look-back cannot wait on a block that is not scheduled,
+// also beside the training's own kernels.
 //
 // cap bounds the outputs: a tile whose changes do not fit writes nothing and leaves its
 // baseline untouched, and so does every later one; result = {changes written, elements done
 // from the start}. The caller resumes at `done` (see cuda_kernels.take_delta_cuda).
-template <class T, class I, int VB>
-__global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur, T* __restrict__ base,
-                                                       int64_t lo, int64_t hi, I* __restrict__ pos,
-                                                       T* __restrict__ val, T* __restrict__ newv, int64_t cap,
-                                                       unsigned long long* ws, int64_t ntiles,
-                                                       int64_t* __restrict__ result) {
+template <class T, class I>
+struct DeltaArgs {
+  const T* __restrict__ cur;
+  T* __restrict__ base;
+  int64_t lo, hi;
+  I* __restrict__ pos;
+  T* __restrict__ val;
+  T* __restrict__ newv;
+  int64_t cap;
+  unsigned long long* ws;  // [counter, overflow flag, status of each tile]
+  int64_t ntiles;
+  int64_t* __restrict__ result;
+};
+
+// Issue the loads of one tile (out-of-range vectors read as equal zeros).
+template <class T, int VB>
+__device__ __forceinline__ void load_tile(const T* __restrict__ cur, const T* __restrict__ base, int64_t j0,
+                                          int64_t hi, Pack<T, VB> (&c)[kVecs], Pack<T, VB> (&b)[kVecs]) {
   using P = Pack<T, VB>;
   constexpr int E = P::E;
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
-  unsigned long long* counter = ws;
-  int* overflow = reinterpret_cast<int*>(ws + 1);
-  unsigned long long* status = ws + 2;
-
-  __shared__ int64_t s_tile, s_excl;
-  __shared__ int s_skip;
-  __shared__ unsigned long long s_warp[kWarps], s_total;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-
-  if (t == 0) {
-    s_tile = static_cast<int64_t>(atomicAdd(counter, 1ull));
-    s_skip = *reinterpret_cast<volatile int*>(overflow);
-  }
-  __syncthreads();
-  const int64_t tile = s_tile;
-  if (s_skip) {  // an earlier tile overflowed cap: this one would too; unblock the later ones
-    if (t == 0) store_status(status + tile, kFlagP | static_cast<unsigned long long>(cap + 1));
-    return;
-  }
-
-  const int64_t j0 = tile * kTile;
-  const bool inner = j0 >= lo && j0 + kTile <= hi;
-  P c[kVecs], b[kVecs];
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+    const int64_t j = j0 + (int64_t(v) * kBlock + threadIdx.x) * E;
     if (j < hi) {  // a partial first or last vector stays inside its aligned 16 bytes
       c[v].v = __ldcs(reinterpret_cast<const typename P::V*>(cur + j));
-      b[v].v = *reinterpret_cast<const typename P::V*>(base + j);
+      if (DCR_STREAM_BASE) b[v].v = __ldcs(reinterpret_cast<const typename P::V*>(base + j));
+      else b[v].v = *reinterpret_cast<const typename P::V*>(base + j);
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) c[v].e[e] = b[v].e[e] = T(0);
     }
   }
+}
+
+// Everything after the loads: masks, block scan, look-back, outputs, baseline update. Starts
+// and ends at a barrier, so a persistent block can reuse the shared variables for its next tile.
+template <class T, class I, int VB>
+__device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t tile, const Pack<T, VB> (&c)[kVecs],
+                                            const Pack<T, VB> (&b)[kVecs]) {
+  using P = Pack<T, VB>;
+  constexpr int E = P::E;
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
+  int* overflow = reinterpret_cast<int*>(a.ws + 1);
+  unsigned long long* status = a.ws + 2;
+  __shared__ int64_t s_excl;
+  __shared__ int s_skip;
+  __shared__ unsigned long long s_warp[kWarps], s_total;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t lo = a.lo, hi = a.hi;
+
+  // Read before this tile's status is published, so a tile that a later one's look-back
+  // passes has always read it before the overflow was raised.
+  if (t == 0) s_skip = *reinterpret_cast<volatile int*>(overflow);
+  const int64_t j0 = tile * kTile;
+  const bool inner = j0 >= lo && j0 + kTile <= hi;
   unsigned m[kVecs];
   unsigned long long packed = 0;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
     unsigned mv = 0;
+    if (!DCR_FAST_MASK || differs(c[v], b[v])) {  // most vectors of a sparse delta are equal
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const bool in = inner || (j + e >= lo && j + e < hi);
-      mv |= static_cast<unsigned>(in && (c[v].e[e] != b[v].e[e])) << e;
+      for (int e = 0; e < E; ++e) {
+        const bool in = inner || (j + e >= lo && j + e < hi);
+        mv |= static_cast<unsigned>(in && (c[v].e[e] != b[v].e[e])) << e;
+      }
     }
     m[v] = mv;
     packed += static_cast<unsigned long long>(__popc(mv)) << (16 * v);  // <= 16 * kBlock per lane
@@ -216,6 +316,7 @@ __global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur
     if (lane == kWarps - 1) s_total = wi;
   }
   __syncthreads();
+  const bool skip = s_skip;
   const unsigned long long excl_t = x - packed + s_warp[warp];
   const unsigned long long total = s_total;
   int64_t count = 0;
@@ -223,9 +324,12 @@ __global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur
   for (int v = 0; v < kVecs; ++v) count += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
 
   // The tile's output offset: publish the aggregate, look back, publish the inclusive prefix.
+  // An earlier tile overflowed cap (skip): this one would too; it only unblocks later ones.
   if (warp == 0) {
     int64_t excl = 0;
-    if (tile == 0) {
+    if (skip) {
+      if (lane == 0) store_status(status + tile, kFlagP | static_cast<unsigned long long>(a.cap + 1));
+    } else if (tile == 0) {
       if (lane == 0) store_status(status, kFlagP | static_cast<unsigned long long>(count));
     } else {
       if (lane == 0) store_status(status + tile, kFlagA | static_cast<unsigned long long>(count));
@@ -237,18 +341,19 @@ __global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur
   __syncthreads();
   const int64_t excl = s_excl;
 
-  if (excl + count > cap) {  // does not fit: write nothing; the first such tile reports
-    if (t == 0 && excl <= cap) {
-      result[0] = excl;
-      result[1] = j0 > lo ? j0 - lo : 0;
+  if (skip) return;  // (every thread leaves here or at the end, past the same barriers)
+  if (excl + count > a.cap) {  // does not fit: write nothing; the first such tile reports
+    if (t == 0 && excl <= a.cap) {
+      a.result[0] = excl;
+      a.result[1] = j0 > lo ? j0 - lo : 0;
       __threadfence();
       atomicExch(overflow, 1);
     }
     return;
   }
-  if (t == 0 && tile == ntiles - 1) {
-    result[0] = excl + count;
-    result[1] = hi - lo;
+  if (t == 0 && tile == a.ntiles - 1) {
+    a.result[0] = excl + count;
+    a.result[1] = hi - lo;
   }
 
   int64_t r0 = excl;
@@ -262,25 +367,88 @@ __global__ void __launch_bounds__(kBlock) delta_kernel(const T* __restrict__ cur
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       if ((mv >> e) & 1u) {
-        pos[r] = static_cast<I>(j + e - lo);
-        val[r] = static_cast<T>(c[v].e[e] ^ b[v].e[e]);
-        if (newv) newv[r] = c[v].e[e];
+        a.pos[r] = static_cast<I>(j + e - lo);
+        a.val[r] = static_cast<T>(c[v].e[e] ^ b[v].e[e]);
+        if (a.newv) a.newv[r] = c[v].e[e];
         ++r;
       }
     }
     if (j >= lo && j + E <= hi) {  // baseline <- current: the whole vector (unchanged lanes are equal)
-      *reinterpret_cast<typename P::V*>(base + j) = c[v].v;
+      if (DCR_STREAM_BASE) __stcs(reinterpret_cast<typename P::V*>(a.base + j), c[v].v);
+      else *reinterpret_cast<typename P::V*>(a.base + j) = c[v].v;
     } else {  // a partial vector: only its own elements
 #pragma unroll
       for (int e = 0; e < E; ++e)
-        if ((mv >> e) & 1u) base[j + e] = c[v].e[e];
+        if ((mv >> e) & 1u) a.base[j + e] = c[v].e[e];
     }
+  }
+}
+
+// One tile per block.
+template <class T, class I, int VB>
+__global__ void DCR_DELTA_BOUNDS delta_kernel(DeltaArgs<T, I> a) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+#if DCR_TILE_ORDER == 1
+  __shared__ int64_t s_tile;
+  if (threadIdx.x == 0) s_tile = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
+  __syncthreads();
+  const int64_t tile = s_tile;
+#else
+  const int64_t tile = blockIdx.x;
+#endif
+  Pack<T, VB> c[kVecs], b[kVecs];
+  load_tile<T, VB>(a.cur, a.base, tile * kTile, a.hi, c, b);
+  finish_tile<T, I, VB>(a, tile, c, b);
+}
+
+// Resident blocks, each taking tiles from the counter, one tile's loads in flight while the
+// previous tile finishes (two register sets, used in turn).
+template <class T, class I, int VB>
+__global__ void DCR_PERSIST_BOUNDS delta_kernel_persist(DeltaArgs<T, I> a) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  __shared__ int64_t s_next[2];
+  if (threadIdx.x == 0) s_next[0] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
+  __syncthreads();
+  int64_t tile = s_next[0];
+  if (tile >= a.ntiles) return;
+  Pack<T, VB> c0[kVecs], b0[kVecs], c1[kVecs], b1[kVecs];
+  load_tile<T, VB>(a.cur, a.base, tile * kTile, a.hi, c0, b0);
+  for (int k = 1;; k ^= 1) {
+    // The next id goes to the other slot: the barriers inside finish_tile separate its write
+    // from every thread's read of it, and its reuse two tiles later from that read.
+    if (threadIdx.x == 0) s_next[k] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
+    __syncthreads();
+    const int64_t next = s_next[k];
+    if (k) {
+      if (next < a.ntiles) load_tile<T, VB>(a.cur, a.base, next * kTile, a.hi, c1, b1);
+      finish_tile<T, I, VB>(a, tile, c0, b0);
+    } else {
+      if (next < a.ntiles) load_tile<T, VB>(a.cur, a.base, next * kTile, a.hi, c0, b0);
+      finish_tile<T, I, VB>(a, tile, c1, b1);
+    }
+    if (next >= a.ntiles) return;
+    tile = next;
   }
 }
 
 __global__ void write_result(int64_t* result, int64_t a, int64_t b) {
   result[0] = a;
   result[1] = b;
+}
+
+// Resident blocks of a kernel on the current device (cached per kernel: one query each).
+template <class K>
+int64_t resident_blocks(K kernel) {
+  static int64_t cached = 0;
+  if (cached) return cached;
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cached = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+  return cached;
 }
 
 template <class T, class I, int VB>
@@ -293,9 +461,16 @@ int launch_delta(const void* cur, void* base, int64_t n, int64_t shift, void* po
   if (ws_bytes < kHeader + 8 * ntiles) return kErrSpace;
   cudaError_t e = cudaMemsetAsync(ws, 0, kHeader + 8 * ntiles, stream);
   if (e != cudaSuccess) return cuda_status(e);
-  return launch(delta_kernel<T, I, VB>, ntiles, kBlock, stream, static_cast<const T*>(cur) - shift,
-                static_cast<T*>(base) - shift, shift, n + shift, static_cast<I*>(pos), static_cast<T*>(val),
-                static_cast<T*>(newv), cap, static_cast<unsigned long long*>(ws), ntiles, result);
+  const DeltaArgs<T, I> a{static_cast<const T*>(cur) - shift, static_cast<T*>(base) - shift, shift, n + shift,
+                          static_cast<I*>(pos), static_cast<T*>(val), static_cast<T*>(newv), cap,
+                          static_cast<unsigned long long*>(ws), ntiles, result};
+#if DCR_PERSIST
+  const int64_t resident = resident_blocks(delta_kernel_persist<T, I, VB>);
+  if (resident <= 0) return cuda_status(cudaErrorUnknown);
+  return launch(delta_kernel_persist<T, I, VB>, ntiles < resident ? ntiles : resident, kBlock, stream, a);
+#else
+  return launch(delta_kernel<T, I, VB>, ntiles, kBlock, stream, a);
+#endif
 }
 
 template <class T, class I>

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Tries tuning variants of the CUDA kernels on this GPU. Each variant is a set of -DDCR_* knobs
+# (documented at the top of cuda_ext/cuda/dcr_cuda.cu), built with its own
+# NEMO_DCR_CUDA_DEFINES, checked against the CPU reference and timed by bench_cuda; a table of
+# the variants comes last, and $OUT/cuda_tune.json (else benchmarks/results/cuda_tune.json).
+#   bash scripts/cuda_tune.sh                      # the variants below
+#   bash scripts/cuda_tune.sh "" "-DDCR_BLOCK=128"  # these ("" is the defaults)
+# Needs what scripts/device_check.sh needs; about 20 s per variant on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SIZES=${SIZES_MIB:-1024}
+if [ $# -gt 0 ]; then
+  variants=("$@")
+else
+  variants=("" "-DDCR_TILE_ORDER=1 -DDCR_FAST_MASK=0" "-DDCR_TILE_ORDER=1" "-DDCR_FAST_MASK=0"
+            "-DDCR_BLOCK=128" "-DDCR_BLOCK=512" "-DDCR_STREAM_BASE=1" "-DDCR_SLEEP_NS=0" "-DDCR_PERSIST=1"
+            "-DDCR_PERSIST=1 -DDCR_BLOCK=128" "-DDCR_PERSIST=1 -DDCR_BLOCK=512" "-DDCR_PERSIST=1 -DDCR_STREAM_BASE=1")
+fi
+tmp=$(mktemp -d)
+jsons=()
+for i in "${!variants[@]}"; do
+  v=${variants[$i]}
+  t0=$(date +%s)
+  NEMO_DCR_CUDA_DEFINES="$v" $PY -m nemo_dcr_callback.bench_cuda --sizes-mib "$SIZES" --json "$tmp/$i.json" \
+    >"$tmp/$i.log" 2>&1
+  rc=$?
+  echo "== variant $i (${v:-defaults}): exit $rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$tmp/$i.log")"
+  if [ $rc -ne 0 ]; then tail -15 "$tmp/$i.log"; fi
+  [ -f "$tmp/$i.json" ] && jsons+=("$tmp/$i.json")
+done
+[ ${#jsons[@]} -gt 0 ] || { echo "cuda_tune: no variant produced results" >&2; exit 1; }
+$PY -m nemo_dcr_callback.bench_cuda --summarize "${jsons[@]}"
