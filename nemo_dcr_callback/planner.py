@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class Coefficients:
     receiver_overhead_cpu_s: float  # per receiver per version: protocol work beyond decode + apply
     relay_gbps_per_core: float  # what one relay serves per CPU-second
     store_put_MBps: float  # one client's PUTs into the local object store (client + server CPU included)
-    gpu_kernel_gbps: float = 3360.0  # ASSUMED (not measured: issue 8's device check is pending): 70% of 4.8 TB/s
+    gpu_kernel_gbps: float = 3360.0  # ASSUMED where cuda.json is missing: 70% of 4.8 TB/s (issue 8's target)
     gpu_apply_gbps: float = 2400.0  # ASSUMED likewise: 50% of 4.8 TB/s
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -65,6 +66,15 @@ class Coefficients:
         r3 = relay["rate"]
         work = dense_r / 1e9 / _interp(per["decode"], r3) + dense_r / 1e9 / _interp(per["apply"], r3)
         over = max(0.0, one["receiver_cpu_s"] - work)
+        gpu: dict = {}
+        gpu_source = "assumed (the H200 targets of issue 8): no benchmarks/results/cuda.json"
+        if (results / "cuda.json").exists():  # scripts/device_check.sh on a GPU
+            cuda = json.loads((results / "cuda.json").read_text())
+            grows = [r for r in cuda["rows"] if r["baseline"] == "gpu"]
+            gpu = {"gpu_kernel_gbps": statistics.median(r["delta_new_gbps"] for r in grows),
+                   "gpu_apply_gbps": statistics.median(r["apply_gbps"] for r in grows)}
+            gpu_source = (f"cuda.json ({cuda['device']}): medians over its rows of the delta pass with new values "
+                          "and of the XOR apply, GB/s of shard input")
         return cls(ratio={x: r["ratio"]["codec"] for x, r in rows.items()}, kernel=per["kernel_input"],
                    encode=per["encode"], decode=per["decode"], apply=per["apply"], link_efficiency=eff,
                    request_s=req, receiver_overhead_cpu_s=over,
@@ -78,7 +88,7 @@ class Coefficients:
                                                   "decode + apply of that model (codec.json rates)",
                        "relay_gbps_per_core": "relay.json: loopback bytes served per relay CPU-second",
                        "store_put_MBps": "refit.json: the dense checkpoint's upload into SeaweedFS (same machine)",
-                       "gpu_kernel_gbps, gpu_apply_gbps": "assumed (the H200 targets of issue 8), not measured"})
+                       "gpu_kernel_gbps, gpu_apply_gbps": gpu_source}, **gpu)
 
 
 @dataclass
