@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import xxhash
@@ -40,7 +41,17 @@ class _Parts:
 
     def __init__(self):
         self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
+        self.pending: dict[str, Future] = {}  # key -> a fetch running in the store's pool
         self.t0: float | None = None
+
+    def harvest(self) -> None:
+        """Keep the background fetches that finished; a failed one is dropped (fetched again,
+        in the caller's thread, when the version is staged: its error is raised there)."""
+        for key, fut in list(self.pending.items()):
+            if fut.done():
+                del self.pending[key]
+                if fut.exception() is None:
+                    self.parts[key] = fut.result()[1:]
 
 
 class Follower:
@@ -110,36 +121,62 @@ class Follower:
                                    f"({len(bad)} tensors; wrong baseline or wrong model)")
 
     # ------------------------------------------------------------ fetching
+    def _fetch_one(self, key: str):
+        """Fetch one part, verify it (chunk checksums, target) and decode it."""
+        try:
+            blob = self.store.get(key)
+        except KeyError:
+            raise codec.ChunkError(f"{key}: part missing from the store") from None
+        decoded = []
+        for c in codec.split_chunks(blob):
+            h = codec.parse_header(c)
+            self.target.check(h)
+            decoded.append(codec.decode_chunk(c, h))
+        return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
+
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
-        """Fetch, verify (chunk checksums, target) and decode parts not yet held."""
+        """Every part of `keys` held: waits for the ones fetching in the background, fetches
+        the rest (concurrently where the store can)."""
         st = self._parts.setdefault(v, _Parts())
-        todo = [k for k in keys if k not in st.parts]
-        if not todo:
-            return
-        if st.t0 is None:
-            st.t0 = time.perf_counter()
-
-        def one(key: str):
-            try:
-                blob = self.store.get(key)
-            except KeyError:
-                raise codec.ChunkError(f"{key}: part missing from the store") from None
-            decoded = []
-            for c in codec.split_chunks(blob):
-                h = codec.parse_header(c)
-                self.target.check(h)
-                decoded.append(codec.decode_chunk(c, h))
-            return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
-
+        st.harvest()
         pool = getattr(self.store, "executor", None)
-        results = list(pool().map(one, todo)) if pool is not None and len(todo) > 1 else [one(k) for k in todo]
-        for key, n, h, dec in results:
+        new = [k for k in keys if k not in st.parts and k not in st.pending]
+        if new and st.t0 is None:
+            st.t0 = time.perf_counter()
+        if pool is not None:  # start the ones not yet under way before waiting for any
+            for key in new:
+                st.pending[key] = pool().submit(self._fetch_one, key)
+        for key in keys:
+            fut = st.pending.get(key)
+            if fut is not None:
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - fetched again below, where its error is raised
+                    pass
+        st.harvest()
+        for key in [k for k in keys if k not in st.parts]:  # no pool, or a background fetch failed
+            _, n, h, dec = self._fetch_one(key)
             st.parts[key] = (n, h, dec)
 
     def prefetch(self, v: int) -> None:
-        """Fetch whatever parts of v exist now (the senders may still be writing it)."""
-        keys = [k for k in self.store.list(commit.vdir(v)) if k.endswith(".dcr")]
-        self._fetch_parts(v, keys)
+        """Start fetching the parts of v that exist now (the senders may still be writing it)
+        and return: where the store has a thread pool the fetches run there, so the next part's
+        download is already under way while this thread lists again (the link never idles
+        between parts). Results are kept only once they are verified and decoded."""
+        st = self._parts.setdefault(v, _Parts())
+        st.harvest()
+        keys = [k for k in self.store.list(commit.vdir(v))
+                if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
+        if not keys:
+            return
+        if getattr(self.store, "executor", None) is None:  # a local store: fetch here
+            self._fetch_parts(v, keys)
+            return
+        if st.t0 is None:
+            st.t0 = time.perf_counter()
+        pool = self.store.executor()
+        for key in keys:
+            st.pending[key] = pool.submit(self._fetch_one, key)
 
     def stage(self, v: int, rec: commit.VersionRecord) -> list[codec.DecodedChunk]:
         """Every chunk of sealed version v, verified against the manifests, decoded."""
@@ -241,7 +278,11 @@ class Follower:
         out = []
         while True:
             progressed = streamed = False
-            for v in [v for v in commit.list_versions(self.store) if v > self.version]:
+            # While the next version streams, look at it alone: listing every version costs a
+            # request that a busy store answers slowly, and delays seeing its next part.
+            nxt = self.version + 1
+            known = [nxt] if nxt in self._parts else commit.list_versions(self.store)
+            for v in [v for v in known if v > self.version]:
                 d = commit.read_decision(self.store, v)
                 if d is not None and d["decision"] != "commit":
                     self._parts.pop(v, None)

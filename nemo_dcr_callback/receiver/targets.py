@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,6 +25,20 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.delta import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, ulp_add_reference
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _apply_pool() -> ThreadPoolExecutor | None:
+    """Threads for the receiver's apply (None on one core)."""
+    global _POOL
+    n = min(4, os.cpu_count() or 1)
+    if n < 2:
+        return None
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="nemo-dcr-apply")
+    return _POOL
 
 
 class StateDictTarget:
@@ -46,9 +62,16 @@ class StateDictTarget:
         elements before and after (read from the tensors themselves in the same pass)."""
         from nemo_dcr_callback import digest
 
+        def one(d: codec.DecodedChunk) -> tuple[int, int]:
+            return digest.scatter_terms(self.tensors[d.header.name].view(-1), d.positions, d.values, d.op)
+
+        # Chunks touch disjoint positions and the terms add up in any order, so they are applied
+        # on a few threads (the compiled scatter runs without the GIL): the apply sits after the
+        # commit decision, on the refit's critical path.
+        pool = _apply_pool() if len(decoded) > 1 else None
+        terms = list(pool.map(one, decoded)) if pool is not None else [one(d) for d in decoded]
         out: dict[str, tuple[int, int]] = {}
-        for d in decoded:
-            b, a = digest.scatter_terms(self.tensors[d.header.name].view(-1), d.positions, d.values, d.op)
+        for d, (b, a) in zip(decoded, terms, strict=True):
             ob, oa = out.get(d.header.name, (0, 0))
             out[d.header.name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
         return out
