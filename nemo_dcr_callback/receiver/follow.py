@@ -158,15 +158,15 @@ class Follower:
             _, n, h, dec = self._fetch_one(key)
             st.parts[key] = (n, h, dec)
 
-    def prefetch(self, v: int) -> None:
+    def prefetch(self, v: int, listing: list[str] | None = None) -> None:
         """Start fetching the parts of v that exist now (the senders may still be writing it)
         and return: where the store has a thread pool the fetches run there, so the next part's
         download is already under way while this thread lists again (the link never idles
         between parts). Results are kept only once they are verified and decoded."""
         st = self._parts.setdefault(v, _Parts())
         st.harvest()
-        keys = [k for k in self.store.list(commit.vdir(v))
-                if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
+        listing = self.store.list(commit.vdir(v)) if listing is None else listing
+        keys = [k for k in listing if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
         if not keys:
             return
         if getattr(self.store, "executor", None) is None:  # a local store: fetch here
@@ -278,9 +278,16 @@ class Follower:
         out = []
         while True:
             progressed = streamed = False
-            # While the next version streams, look at it alone: listing every version costs a
-            # request that a busy store answers slowly, and delays seeing its next part.
+            # While the next version streams, one listing of its folder is the whole poll: it
+            # shows new parts, and its record or decision once written (then read below).
+            # Listing every version, or asking for the record and decision each time, costs
+            # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
+            if nxt in self._parts and nxt not in self.refused:
+                listing = self.store.list(commit.vdir(nxt))
+                if commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
+                    self.prefetch(nxt, listing)
+                    return out
             known = [nxt] if nxt in self._parts else commit.list_versions(self.store)
             for v in [v for v in known if v > self.version]:
                 d = commit.read_decision(self.store, v)
