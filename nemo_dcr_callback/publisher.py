@@ -70,6 +70,9 @@ class _WorkerSpec:
     part_bytes: int = 4 << 20
 
 
+DECISION_POLL_S = 0.05  # how often ranks other than 0 look for a version's decision
+
+
 def _lower_priority(nice: int) -> None:
     if nice and hasattr(os, "setpriority"):
         try:  # Linux: a thread is a task with its own nice value; a process, likewise
@@ -122,8 +125,10 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
                         d = commit.run_commit(store, rec, spec.policy)
                     else:
                         d = commit.decide(store, version, base, "abort", [], [], f"base version {base} was aborted")
-                else:
-                    d = commit.await_decision(store, version, spec.seal_timeout + spec.policy.timeout + 60)
+                else:  # off the refit's path (receivers read the decision themselves): poll gently,
+                    # each poll is CPU taken from training on a busy host
+                    d = commit.await_decision(store, version, spec.seal_timeout + spec.policy.timeout + 60,
+                                              poll=DECISION_POLL_S)
                 st.commit_s = time.perf_counter() - t0 - st.seal_s
                 st.decision, st.reason = d["decision"], d["reason"]
                 status[version] = d["decision"]
