@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean
+.PHONY: setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,20 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q tests
+
+# NeMo 2's nl.Trainer with the callback, in its own environment (nemo-toolkit 2.7 pins
+# lightning 2.4.0 and transformers 4.57, older than .venv's); about 2 min to set up.
+NEMO_VENV := .venv-nemo
+$(NEMO_VENV)/.setup-done: pyproject.toml
+	test -x $(NEMO_VENV)/bin/python || $(PYTHON) -m venv $(NEMO_VENV)
+	$(NEMO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEMO_VENV)/bin/pip install -q "$(TORCH)"
+	$(NEMO_VENV)/bin/pip install -q -e ".[dev,nemo]" "$(TORCH)"
+	$(NEMO_VENV)/bin/nemo-dcr build-kernels
+	touch $@
+
+test-nemo: $(NEMO_VENV)/.setup-done
+	PATH=$(CURDIR)/$(NEMO_VENV)/bin:$$PATH $(NEMO_VENV)/bin/python -m pytest -q tests/test_nemo.py
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement

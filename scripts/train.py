@@ -38,10 +38,19 @@ def main(cfg: DictConfig) -> None:
         micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed)
     callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
-    trainer = L.Trainer(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps,
+    trainer_cls = L.Trainer
+    if cfg.trainer.get("cls", "lightning") == "nemo":  # NeMo 2's trainer (pip install nemo-dcr-callback[nemo])
+        from nemo import lightning as nl
+
+        trainer_cls = nl.Trainer
+    elif cfg.trainer.get("cls", "lightning") != "lightning":
+        raise SystemExit(f"trainer.cls must be lightning or nemo, not {cfg.trainer.cls!r}")
+    trainer = trainer_cls(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps,
                         max_epochs=1, callbacks=callbacks, default_root_dir=run_dir,
                         logger=CSVLogger(run_dir, name="logs"), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__}", flush=True)
     trainer.fit(module)
 
 
