@@ -385,3 +385,39 @@ def test_gpu_tensor_sender_matches_cpu(baseline):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ------------------------------------------------------------------ tuning variants (no GPU needed)
+def test_tuning_defines_are_checked_and_tag_the_build(monkeypatch):
+    """NEMO_DCR_CUDA_DEFINES takes -DDCR_* knobs only, and a variant gets its own library file."""
+    monkeypatch.delenv("NEMO_DCR_CUDA_DEFINES", raising=False)
+    default = cuda_kernels.library_path()
+    monkeypatch.setenv("NEMO_DCR_CUDA_DEFINES", "-DDCR_BLOCK=256 -DDCR_FENCE=2")
+    assert cuda_kernels.tuning_defines() == ["-DDCR_BLOCK=256", "-DDCR_FENCE=2"]
+    assert cuda_kernels.library_path() != default
+    assert "-DDCR_BLOCK=256" in cuda_kernels.nvcc_command("nvcc", cuda_kernels.SOURCE, Path("x.so"))
+    monkeypatch.setenv("NEMO_DCR_CUDA_DEFINES", "-O0 -DDCR_BLOCK=256")
+    with pytest.raises(RuntimeError, match="-DDCR_"):
+        cuda_kernels.tuning_defines()
+
+
+def test_tune_summary_table(tmp_path, capsys):
+    """scripts/cuda_tune.sh's last step: one row per variant, checks and % of the copy."""
+    import json
+
+    from nemo_dcr_callback import bench_cuda
+
+    row = {"mib": 1024, "rate": 0.03, "changed": 1, "baseline": "gpu", "copy_gbps": 2000.0, "xor_gbps": 1400.0,
+           "delta_gbps": 900.0, "delta_new_gbps": 850.0, "apply_gbps": 2000.0, "delta_vs_copy": 0.45,
+           "delta_new_vs_copy": 0.425, "apply_vs_copy": 1.0}
+    paths = []
+    for i, (defs, fails) in enumerate([([], []), (["-DDCR_BLOCK=128"], ["delta bf16 n=7: differs"])]):
+        (tmp_path / f"{i}.json").write_text(json.dumps({"defines": defs, "rows": [row],
+                                                        "check": {"cases": 811, "failures": fails}}))
+        paths.append(str(tmp_path / f"{i}.json"))
+    assert bench_cuda.main(["--summarize", *paths, "--json", str(tmp_path / "tune.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(defaults)" in out and "811/811 ok" in out and "810/811 ok" in out and "45%" in out
+    got = json.loads((tmp_path / "tune.json").read_text())
+    assert [v["defines"] for v in got["variants"]] == [[], ["-DDCR_BLOCK=128"]]
+    assert got["variants"][0]["delta_vs_copy_min"] == pytest.approx(0.45)

@@ -45,3 +45,20 @@ def test_cli(capsys):
     assert "critical path" in out and "total refit" in out
     assert main(["plan"]) == 2
     assert main(["plan", "--validate"]) == 1  # the known miss: the target (all within 20%) is not met
+
+
+def test_gpu_rates_come_from_the_device_check(tmp_path):
+    """With benchmarks/results/cuda.json (scripts/device_check.sh on a GPU) the GPU kernel and
+    apply rates are its medians; without it they are the issue's targets, marked assumed."""
+    import json
+    import shutil
+
+    co = planner.Coefficients.load()
+    cuda = json.loads((planner.RESULTS / "cuda.json").read_text())
+    rows = [r for r in cuda["rows"] if r["baseline"] == "gpu"]
+    assert min(r["delta_new_gbps"] for r in rows) <= co.gpu_kernel_gbps <= max(r["delta_new_gbps"] for r in rows)
+    assert "cuda.json" in co.sources["gpu_kernel_gbps, gpu_apply_gbps"]
+    for name in ("codec.json", "refit.json", "relay.json"):
+        shutil.copy(planner.RESULTS / name, tmp_path / name)
+    bare = planner.Coefficients.load(tmp_path)
+    assert bare.gpu_kernel_gbps == 3360.0 and "assumed" in bare.sources["gpu_kernel_gbps, gpu_apply_gbps"]
