@@ -171,6 +171,12 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
             "relay_MB_per_cpu_s": statistics.median(t["relay_MB_per_cpu_s"] for t in trials)}
 
 
+def _host_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all cores, from /proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (from /proc)."""
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -179,13 +185,19 @@ def _cpu_s(pid: int) -> float:
 
 # ------------------------------------------------------------------ the run
 def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 3,
-        json_path: str | None = None, seed: int = 0) -> dict:
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None) -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic
     from nemo_dcr_callback.sender import TensorSender
     from nemo_dcr_callback.transport.seaweed import SeaweedS3
 
+    layouts = {"dense-s3": {"a": per_region, "b": per_region}, "dcr-s3": {"a": per_region, "b": per_region},
+               "dcr-relay": {"a": per_region, "b": per_region}, "dcr-relay-1": {"a": 1, "b": 0}}
+    scenarios = scenarios or [*layouts, "loopback"]
+    bad = [n for n in scenarios if n not in layouts and n != "loopback"]
+    if bad:
+        raise ValueError(f"no scenario {bad[0]!r} (one of {', '.join(layouts)}, loopback)")
     t_start = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
     print(f"nemo-dcr bench relay: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
@@ -237,28 +249,49 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                 procs += rx
                 before = {k: link.tx_rx() for k, link in links.items()}
                 rows = []
+                b0, w0 = _host_busy_s(), time.time()
+                time.sleep(2.0)  # everyone up and idle: what the waiting itself costs
+                idle = (_host_busy_s() - b0) / (time.time() - w0)
+                print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
                 sender = TensorSender(cur)
                 for v in range(1, (0 if name == "dense-s3" else versions) + 1):
                     policy.step(lr)
                     cur = policy.bf16()
                     t0 = time.time()
+                    busy0 = _host_busy_s()
+                    relays = procs[:len(procs) - len(rx)]
+                    c0 = {"relays": sum(_cpu_s(p.p.pid) for p in relays), "s3": _cpu_s(s3.proc.pid),
+                          "sender": time.process_time()}
                     sender.tensors = cur
                     taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
+                    t_streamed = time.time() - t0
                     rec = commit.seal_version(store, v, v - 1, 1)
+                    t_sealed = time.time() - t0
                     d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
+                    t_decided = time.time() - t0
                     if d["decision"] != "commit":
                         raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
                     sender.commit()
                     got = [r.next() for r in rx]
+                    host_busy = _host_busy_s() - busy0
+                    c1 = {"relays": sum(_cpu_s(p.p.pid) for p in relays), "s3": _cpu_s(s3.proc.pid),
+                          "sender": time.process_time()}
+                    cpu_by = {k: c1[k] - c0[k] for k in c0}
                     ends = sorted(g["t_applied"] - t0 for g in got)
                     rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, cpu, strict=True))
                     cpu = [g["cpu_s"] for g in got]
+                    acks = sorted(json.loads(store.get(commit.ack_key(v, r)))["time"] - t0 for r in d["acked"])
                     rows.append({"version": v, "delta_bytes": m["bytes"], "first_s": ends[0], "last_s": ends[-1],
+                                 "sender_s": {"streamed": t_streamed, "sealed": t_sealed, "decided": t_decided},
+                                 "acks_s": acks, "host_busy_cpu_s": host_busy, "cpu_s_by": cpu_by,
                                  "acked": len(d["acked"]), "receiver_cpu_s": rx_cpu,
                                  "fetch_s": [g["fetch_s"] for g in got], "apply_s": [g["apply_s"] for g in got],
                                  "commit_wait_s": [g["wait_s"] for g in got]})
                     print(f"  {name}: version {v}: {m['bytes'] / 1e6:.2f} MB, first receiver {ends[0]:.2f} s, "
-                          f"last of {len(rx)} {ends[-1]:.2f} s; receivers used {rx_cpu:.2f} CPU-s", flush=True)
+                          f"last of {len(rx)} {ends[-1]:.2f} s; receivers used {rx_cpu:.2f} CPU-s (sender: streamed "
+                          f"{t_streamed:.2f} s, sealed {t_sealed:.2f} s, acks {acks[0]:.2f}-{acks[-1]:.2f} s, "
+                          f"decided {t_decided:.2f} s; the host busy {host_busy:.2f} CPU-s: "
+                          + ", ".join(f"{k} {x:.2f}" for k, x in cpu_by.items()) + ")", flush=True)
                 dense_last = None
                 if name == "dense-s3":
                     t0 = time.time()
@@ -293,16 +326,18 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
             scen_rows.append(res)
             return res
 
-        scenario("dense-s3", {"a": per_region, "b": per_region})
-        scenario("dcr-s3", {"a": per_region, "b": per_region})
-        scenario("dcr-relay", {"a": per_region, "b": per_region})
-        scenario("dcr-relay-1", {"a": 1, "b": 0})
-    print("  relay serving rate on loopback ...", flush=True)
-    tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
+        for name in [n for n in scenarios if n != "loopback"]:
+            scenario(name, layouts[name])
+    tput = None
+    if "loopback" in scenarios:
+        print("  relay serving rate on loopback ...", flush=True)
+        tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
     by = {r["scenario"]: r for r in scen_rows}
+    both = "dcr-relay" in by and "dcr-relay-1" in by
     res = {"benchmark": "relay", "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
            "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
-           "relay_loopback": tput, "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"],
+           "relay_loopback": tput,
+           "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"] if both else None,
            "machine": f"{os.cpu_count()} cores, no GPU", "wall_s": time.time() - t_start}
     print(f"\n{'scenario':<12} {'recv':>4} {'time s':>8} {'MB/version':>11} {'link A MB':>10} {'link B MB':>10} "
           f"{'A x payload':>12} {'recv CPU-s':>11}")
@@ -313,12 +348,14 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         print(f"{r['scenario']:<12} {r['receivers']:>4} {r['time_s']:8.2f} {r['bytes_per_version'] / 1e6:11.2f} "
               f"{lb['a'] / 1e6:10.2f} {lb['b'] / 1e6:10.2f} {'' if xp is None else f'{xp:11.2f}x':>12} "
               f"{'' if cpu is None else f'{cpu:11.2f}'}")
-    print(f"relay tree: all {2 * per_region} receivers in {by['dcr-relay']['time_s']:.2f} s vs one in "
-          f"{by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
-          f"inter-region bytes per version {by['dcr-relay']['link_x_payload']['a']:.2f}x / "
-          f"{by['dcr-relay']['link_x_payload']['b']:.2f}x the payload (target 1x); "
-          f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (median of {len(tput['trials'])}, {tput['clients']} "
-          f"clients on the same 2 cores; target >= 800), {tput['relay_MB_per_cpu_s']:.0f} MB per relay CPU-second")
+    if both:
+        print(f"relay tree: all {2 * per_region} receivers in {by['dcr-relay']['time_s']:.2f} s vs one in "
+              f"{by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
+              f"inter-region bytes per version {by['dcr-relay']['link_x_payload']['a']:.2f}x / "
+              f"{by['dcr-relay']['link_x_payload']['b']:.2f}x the payload (target 1x)")
+    if tput:
+        print(f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (median of {len(tput['trials'])}, {tput['clients']} "
+              f"clients on the same 2 cores; target >= 800), {tput['relay_MB_per_cpu_s']:.0f} MB per relay CPU-second")
     if json_path:
         write_json(json_path, res)
     return res

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--mbit", type=float, default=100.0, help="inter-region link rate each way, Mbit/s")
     bl.add_argument("--rate", type=float, default=0.03, help="change rate")
     bl.add_argument("--receivers", type=_positive, default=4, help="receivers per region")
+    bl.add_argument("--scenarios", default="dense-s3,dcr-s3,dcr-relay,dcr-relay-1,loopback",
+                    help="which to run, comma-separated (the 1.3x ratio needs dcr-relay and dcr-relay-1; "
+                         "loopback: one relay's serving rate)")
+    bl.add_argument("--versions", type=_positive, default=3, help="versions per DCR scenario")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
@@ -315,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                             json_path=args.json)
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
-            bench_relay.run(args.params, args.mbit, args.rate, args.receivers, json_path=args.json)
+            bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
+                            scenarios=args.scenarios.split(","))
         elif args.cmd == "relay":
             return _relay(args)
         elif args.cmd == "plan":

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import perturb, race, random_tensor
 
-from nemo_dcr_callback import commit
+from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.follow import latest_keyframe
@@ -140,15 +140,18 @@ def test_multi_rank_round_trip_with_acks(store):
     assert {r["version"] for r in commit.receivers(store).values()} == {1}
 
 
-def test_receiver_streams_a_version_while_it_is_written(store):
-    """Parts are fetched and decoded before the sender has finished the version."""
+@pytest.mark.parametrize("early", [True, False])
+def test_receiver_streams_a_version_while_it_is_written(store, early):
+    """Parts are fetched and decoded before the sender has finished the version; with early
+    apply they are also applied in place as they arrive, otherwise nothing is applied yet."""
     states = _states(1)
     s = TensorSender(states[0])
     for n in s.tensors:
         s.tensors[n] = states[1][n]
     tensors = {k: t.clone() for k, t in states[0].items()}
-    f = Follower(store, tensors)
-    seen = []
+    f = Follower(store, tensors, early=early)
+    assert f.early == early
+    seen, applied = [], []
 
     def after_chunk():
         import time
@@ -161,10 +164,90 @@ def test_receiver_streams_a_version_while_it_is_written(store):
                 fut.result()
             st.harvest()
         seen.append(len(st.parts) if st is not None else 0)
-        assert commit.read_record(store, 1) is None and _same(tensors, states[0])
+        f._apply_early(1)
+        applied.append(len(st.applied) if st is not None else 0)
+        assert commit.read_record(store, 1) is None
+        assert _same(tensors, states[0]) == (applied[-1] == 0)
 
     m = s.write(store, 1, 0, s.take(), part_bytes=1, after_chunk=after_chunk)  # one part per chunk
     assert seen[0] >= 1 and seen == sorted(seen) and seen[-1] == len(m["parts"]) > 1
+    assert applied == (seen if early else [0] * len(seen))
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 1), commit.CommitPolicy())
+    f.poll()
+    assert f.version == 1 and _same(tensors, states[1])
+
+
+def _stream_early(store, f, old, new, part_bytes=1):
+    """Write version 1 from old to new one part per chunk while f streams and applies it early;
+    returns the manifest (the version is not sealed)."""
+    s = TensorSender(old)
+    for n in s.tensors:
+        s.tensors[n] = new[n]
+
+    def after_chunk():
+        import time
+
+        time.sleep(0.1)
+        f.poll()
+        st = f._parts.get(1)
+        if st is not None:
+            for fut in list(st.pending.values()):
+                fut.result()
+        f._apply_early(1)
+
+    return s.write(store, 1, 0, s.take(), part_bytes=part_bytes, after_chunk=after_chunk)
+
+
+def test_early_apply_undone_on_abort(store):
+    """Parts applied in place while the version streams are taken back, bit for bit, when the
+    version is aborted: the receiver holds version 0 exactly."""
+    states = _states(1)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors)
+    _stream_early(store, f, states[0], states[1])
+    assert f._parts[1].applied and not _same(tensors, states[0])  # really applied early
+    rec = commit.seal_version(store, 1, 0, 1)
+    commit.decide(store, 1, 0, "abort", [], [], "test")
+    assert f.poll() == [] and f.version == 0 and 1 not in f._parts
+    assert _same(tensors, states[0])
+    assert rec["version"] == 1
+
+
+def test_early_apply_undone_when_the_digests_fail(store):
+    """A receiver that does not hold the base (one element off, untouched by the delta) applies
+    early, fails the digest check before acking, and ends on exactly the bits it had."""
+    states = _states(1)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    name = next(iter(tensors))
+    flat = bits(tensors[name]).view(-1)
+    changed = (bits(states[0][name]) != bits(states[1][name])).view(-1)
+    i = int((~changed).nonzero()[0])
+    flat[i] ^= 1
+    before = {k: t.clone() for k, t in tensors.items()}
+    f = Follower(store, tensors)  # holds "version 0": no record to check it against
+    _stream_early(store, f, states[0], states[1])
+    assert f._parts[1].applied
+    commit.seal_version(store, 1, 0, 1)
+    with pytest.raises(codec.ChunkError, match="does not match the version's digest"):
+        f.poll()
+    assert f.version == 0 and _same(tensors, before)
+
+
+def test_early_apply_of_a_stray_part_is_taken_back(store):
+    """A part object that no manifest lists (left by a failed writer) may be applied early; at
+    the seal it is undone with the rest and the version's own parts give the exact bits."""
+    states = _states(1)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors)
+    m = _stream_early(store, f, states[0], states[1])
+    stray = commit.part_key(1, 0, 999)
+    store.put(stray, store.get(m["parts"][0]["key"]))  # a valid copy: applying it twice undoes it
+    f.poll()
+    st = f._parts[1]
+    for fut in list(st.pending.values()):
+        fut.result()
+    f._apply_early(1)
+    assert stray in st.applied
     commit.run_commit(store, commit.seal_version(store, 1, 0, 1), commit.CommitPolicy())
     f.poll()
     assert f.version == 1 and _same(tensors, states[1])

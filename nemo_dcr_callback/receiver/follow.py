@@ -7,6 +7,14 @@ waits for the joint commit, and only then applies; after applying it checks the 
 additive digests against the version record. Nothing from a version that fails any check
 is applied; an aborted version is dropped. A receiver that is behind chains committed
 deltas; one with nothing, or too far behind, starts from a keyframe.
+
+Early apply (in-memory tensors, the default there): the parts of the next version are
+applied in place as they arrive, each chunk verified first, with an undo record (XOR is its
+own inverse; other ops keep the old bits), and the digests are checked before the ack, as
+in the design's receiver path (apply, verify, ack). So the apply overlaps the transfer
+instead of following the decision. Anything that then fails (a part against its manifest,
+a digest, an abort) is undone exactly before the version is dropped: the weights are back
+on the bits of the version held.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
 import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
+from nemo_dcr_callback.delta import OP_OVERWRITE, OP_XOR, bits, scatter
 from nemo_dcr_callback.transport.store import StoreError, wait_change
 
 
@@ -43,6 +53,11 @@ class _Parts:
         self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
         self.pending: dict[str, Future] = {}  # key -> a fetch running in the store's pool
         self.t0: float | None = None
+        # early apply: the parts applied in place so far, each chunk's undo (None: XOR, its own
+        # inverse; else the old bits) and the digest terms (before, after) per tensor
+        self.applied: set[str] = set()
+        self.undo: list[tuple[codec.DecodedChunk, torch.Tensor | None]] = []
+        self.terms: dict[str, tuple[int, int]] = {}
 
     def harvest(self) -> None:
         """Keep the background fetches that finished; a failed one is dropped (fetched again,
@@ -64,7 +79,7 @@ class Follower:
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
                  decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None):
+                 journal: str | None = None, early: bool = True):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
@@ -96,6 +111,10 @@ class Follower:
         if check_digests and hasattr(self.target, "flat"):
             self.digests = {n: digest.sum64(self.target.flat(n)) for n in self.target.names()}
             self._check_held()
+        # early apply needs in-place tensors with an exact undo and the digest check before the
+        # ack; journaled weights, loaders and checkpoint directories apply after the decision
+        self.early = early and self.journal is None and self.digests is not None and isinstance(
+            self.target, StateDictTarget)
         if receiver_id:
             commit.register(store, receiver_id, version)
 
@@ -196,11 +215,56 @@ class Follower:
         for p in refs:
             n, h, dec = st.parts[p["key"]]
             if n != p["bytes"] or h != p["checksum"] or len(dec) != p["chunks"]:
-                self._parts.pop(v, None)  # refetch next time
+                self._drop(v)  # undone, refetched next time
                 raise codec.ChunkError(f"{p['key']}: {n} bytes / checksum {h} do not match the manifest "
                                        f"({p['bytes']} bytes / {p['checksum']}): corrupt or truncated")
             out += dec
+        stray = set(st.parts) - {p["key"] for p in refs}  # listed, but in no manifest: not the version's
+        if stray & st.applied:
+            self._undo(st)  # applied early: take everything back (the version's parts go on again)
+        for k in stray:
+            del st.parts[k]
         return out
+
+    # ------------------------------------------------------------ early apply
+    def _apply_early(self, v: int, sealed: bool = False) -> bool:
+        """Apply, in place, the parts of v fetched and verified so far. While v streams it must
+        follow the version held and not have been refused; sealed: its record's base is the
+        version held (checked by stage). Returns whether the parts were applied."""
+        st = self._parts.get(v)
+        if not self.early or st is None or not (sealed or (v == self.version + 1 and v not in self.refused)):
+            return False
+        st.harvest()
+        for key, (_, _, dec) in list(st.parts.items()):
+            if key in st.applied:
+                continue
+            for d in dec:  # one chunk at a time: the undo log never holds a chunk not applied
+                flat = self.target.flat(d.header.name)
+                old = None if d.op == OP_XOR else torch.index_select(bits(flat), 0, d.positions)
+                b, a = self.target.apply_with_terms([d])[d.header.name]
+                st.undo.append((d, old))
+                ob, oa = st.terms.get(d.header.name, (0, 0))
+                st.terms[d.header.name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+            st.applied.add(key)
+        return True
+
+    def _undo(self, st: _Parts) -> None:
+        """Take back every early-applied chunk, newest first: the weights are exactly as before."""
+        for d, old in reversed(st.undo):
+            flat = self.target.flat(d.header.name)
+            if old is None:
+                scatter(flat, d.positions, d.values, OP_XOR)
+            else:
+                scatter(flat, d.positions, old, OP_OVERWRITE)
+        st.undo.clear()
+        st.applied.clear()
+        st.terms = {}
+
+    def _drop(self, v: int) -> None:
+        """Forget version v's parts (refetched if needed again), undoing any applied early."""
+        st = self._parts.pop(v, None)
+        if st is not None and st.undo:
+            self._undo(st)
 
     # ------------------------------------------------------------ applying
     def _terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, int]:
@@ -216,9 +280,13 @@ class Follower:
         if rec is None:
             raise KeyError(f"version {v} is not sealed")
         t0 = time.perf_counter()
+        pending_digests = None
         try:
             decoded = self.stage(v, rec)
+            if v in self._parts and self._apply_early(v, sealed=True):  # the rest, then the digests, then the ack
+                pending_digests = self._check_digests(v, rec, self._parts[v].terms, keep=False)
         except codec.ChunkError as exc:
+            self._drop(v)
             if self.receiver_id:
                 commit.write_ack(self.store, v, self.receiver_id, self.version, ok=False, error=str(exc))
             raise
@@ -228,14 +296,22 @@ class Follower:
         if self.receiver_id:
             commit.write_ack(self.store, v, self.receiver_id, self.version)
         if wait_decision:
-            d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s)
+            try:
+                d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s)
+            except BaseException:  # no decision (timeout, store down): back on the version held
+                if v in self._parts and self._parts[v].undo:
+                    self._undo(self._parts[v])  # the verified parts stay: a retry applies them again
+                raise
             wait_s = time.perf_counter() - t_staged
             if d["decision"] != "commit":
-                self._parts.pop(v, None)
+                self._drop(v)
                 raise _Aborted(v, d["reason"])
         t1 = time.perf_counter()
         checked = False
-        if self.journal is not None:  # redo records first, then an idempotent overwrite
+        if pending_digests is not None:  # applied and checked already
+            self.digests = pending_digests
+            checked = bool(rec["digests"])
+        elif self.journal is not None:  # redo records first, then an idempotent overwrite
             recs = self.journal.records(self.target.flat, decoded)
             self.journal.begin(v, recs)
             terms = self.journal.apply(self.target.flat, recs)
@@ -261,7 +337,9 @@ class Follower:
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
                        rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked)
 
-    def _check_digests(self, v, rec, terms: dict[str, tuple[int, int]]) -> bool:
+    def _check_digests(self, v, rec, terms: dict[str, tuple[int, int]], keep: bool = True):
+        """The digests after applying (terms: per tensor, before and after) against the record's;
+        keep: take them as the digests held and return whether any were checked, else return them."""
         dg = dict(self.digests)
         for n, (before, after) in terms.items():
             dg[n] = (dg[n] - before + after) & digest.MASK
@@ -269,6 +347,8 @@ class Follower:
         if bad:
             raise codec.ChunkError(f"version {v}: after applying, tensor {bad[0]!r} does not match the version's "
                                    f"digest ({len(bad)} tensors): the receiver did not hold version {rec['base']}")
+        if not keep:
+            return dg
         self.digests = dg
         return bool(rec["digests"])
 
@@ -287,12 +367,13 @@ class Follower:
                 listing = self.store.list(commit.vdir(nxt))
                 if commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
                     self.prefetch(nxt, listing)
+                    self._apply_early(nxt)
                     return out
             known = [nxt] if nxt in self._parts else commit.list_versions(self.store)
             for v in [v for v in known if v > self.version]:
                 d = commit.read_decision(self.store, v)
                 if d is not None and d["decision"] != "commit":
-                    self._parts.pop(v, None)
+                    self._drop(v)
                     continue
                 if v in self.refused and d is None:
                     continue  # refused (acked as such): wait for the decision before trying again
@@ -300,9 +381,11 @@ class Follower:
                 if rec is None:
                     if d is None and not streamed:
                         self.prefetch(v)  # still being written: stream what is there
+                        self._apply_early(v)
                         streamed = True
                     continue
                 if rec["base"] != self.version:
+                    self._drop(v)  # not on the version held (anything applied early is undone)
                     continue
                 try:
                     out.append(self.apply_version(v, rec))
@@ -312,7 +395,7 @@ class Follower:
                     # A receiver in the commit refuses the version (its ack says why) and goes on:
                     # an abort drops it; if it commits anyway (quorum), it is fetched afresh, a
                     # few times at most (the damage may have been on the way here).
-                    self._parts.pop(v, None)
+                    self._drop(v)
                     self.refused[v] = self.refused.get(v, 0) + 1
                     if not self.receiver_id or self.refused[v] > self.max_refusals:
                         raise
