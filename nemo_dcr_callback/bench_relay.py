@@ -227,8 +227,13 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
             try:
                 root_url = None
                 if name.startswith("dcr-relay"):
+                    from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
+
                     p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work)
                     procs.append(p)
+                    # the sender (and committer) writes through the root relay, which passes every
+                    # object on to S3 and down the tree at once; S3 stays the failover
+                    store = FailoverStore([RelayStore(root_url, token=token), store])
                 for region, n in regions.items():
                     link = links[region]
                     if not n:
@@ -260,7 +265,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     t0 = time.time()
                     busy0 = _host_busy_s()
                     relays = procs[:len(procs) - len(rx)]
-                    c0 = {"relays": sum(_cpu_s(p.p.pid) for p in relays), "s3": _cpu_s(s3.proc.pid),
+                    c0 = {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)}, "s3": _cpu_s(s3.proc.pid),
                           "sender": time.process_time()}
                     sender.tensors = cur
                     taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
@@ -274,7 +279,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     sender.commit()
                     got = [r.next() for r in rx]
                     host_busy = _host_busy_s() - busy0
-                    c1 = {"relays": sum(_cpu_s(p.p.pid) for p in relays), "s3": _cpu_s(s3.proc.pid),
+                    c1 = {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)}, "s3": _cpu_s(s3.proc.pid),
                           "sender": time.process_time()}
                     cpu_by = {k: c1[k] - c0[k] for k in c0}
                     ends = sorted(g["t_applied"] - t0 for g in got)

@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
     ry.add_argument("--spill-mb", type=_positive, default=8192)
     ry.add_argument("--poll-ms", type=float, default=5.0, help="how often to list the parent for new objects")
+    ry.add_argument("--idle-poll-ms", type=float, default=40.0,
+                    help="the longest pause between listings while nothing new turns up (writes through wake it)")
     ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
     ry.add_argument("--tls-cert", default=None)
     ry.add_argument("--tls-key", default=None)
@@ -283,6 +285,7 @@ def _relay(args) -> int:
         raise ValueError(f"no relay token: set {args.token_env} (or --no-token for loopback trials)")
     serve(parent, RelayConfig(host=host, port=port, token=token, name=args.name, cache_mb=args.cache_mb,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
+                              idle_poll_s=args.idle_poll_ms / 1e3,
                               prefetch=not args.no_prefetch, tls_cert=args.tls_cert, tls_key=args.tls_key))
     return 0
 

@@ -328,6 +328,8 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
     """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
     per the policy, then decide. A version whose base was not committed is aborted at once."""
+    from nemo_dcr_callback.transport.store import wait_change
+
     v, base = rec["version"], rec["base"]
     if not base_committed:
         return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
@@ -336,6 +338,7 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
     deadline = time.monotonic() + policy.timeout
     need = math.ceil(policy.quorum * len(expected))
     seen: dict[str, Ack] = {}
+    token = 0
     while True:
         acks = {k: a for k, a in read_acks(store, v, seen).items() if k in expected}
         ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
@@ -360,7 +363,8 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                               f"no ack from {missing[:4]} in {policy.timeout:.0f} s")
             raise CommitTimeout(f"version {v}: no ack from {missing[:4]} after {policy.timeout:.0f} s "
                                 "(commit policy 'wait')")
-        time.sleep(policy.poll)
+        # a relay long-polls (acks written through it wake this at once); other stores sleep
+        token = wait_change(store, token, policy.poll, max(policy.poll, min(1.0, deadline - time.monotonic())))
 
 
 def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:

@@ -88,6 +88,16 @@ def _publish(store, v, old, new, world=2, part_bytes=4 << 20, policy=None):
     return commit.run_commit(store, rec, policy or commit.CommitPolicy("wait", timeout=60))
 
 
+def _damaged_part(store) -> tuple[str, bytearray]:
+    """Publish a version into store; return one part's key and a copy of it with a bit flipped."""
+    states = _states(1)
+    _publish(store, 1, states[0], states[1], part_bytes=64 << 10)
+    key = next(k for k in store.list("versions") if k.endswith(".dcr"))
+    blob = bytearray(store.get(key))
+    blob[-20] ^= 1
+    return key, blob
+
+
 class Counting:
     """A store wrapper counting successful gets per key (what was actually downloaded)."""
 
@@ -159,6 +169,48 @@ def test_tree_delivers_every_version_bit_exact_and_each_byte_once(tmp_path, rela
     assert root.stats()["part_bytes_out"] == 2 * payload
 
 
+def test_senders_write_through_the_root_relay(tmp_path, relays):
+    """Senders and the committer use relay://root,origin: every object reaches the origin, the
+    root holds what it was given (it downloads no part from the origin) and the receivers below
+    end bit-exact; the committer long-polls the root for the acks."""
+    origin = FileStore(tmp_path / "origin")
+    root = relays(origin.url, "root")
+    region = relays(f"{root.url},{origin.url}", "region")
+    via_root = open_store(f"{root.url},{origin.url}")
+    states = _states(2)
+    recv, stores, ths, errs = _followers(states, [f"{region.url},{root.url},{origin.url}"] * 2, until=2)
+    for v in (1, 2):
+        d = _publish(via_root, v, states[v - 1], states[v], part_bytes=64 << 10)
+        assert d["decision"] == "commit" and d["acked"] == ["rx-0", "rx-1"], d
+    for t in ths:
+        t.join(60)
+    assert not errs, errs
+    assert all(_same(r, states[2]) for r in recv)
+    parts = [k for k in origin.list("versions") if k.endswith(".dcr")]
+    payload = sum(len(origin.get(k)) for k in parts)
+    st = root.stats()
+    assert parts and st["part_bytes_in"] == 0 and st["part_bytes_out"] == payload  # given, not fetched
+    assert st["puts"] >= len(parts) and via_root.failovers == 0
+    assert region.stats()["part_bytes_in"] == payload
+
+
+def test_corrupt_write_through_a_relay_is_refused_and_not_passed_on(tmp_path, relays):
+    """A sender's damaged part is refused by the relay (HTTP 400, the chunk named), never
+    reaches the origin, and the failover chain does not hand it to the next store."""
+    from nemo_dcr_callback.transport.relay_store import RefusedError
+
+    origin = FileStore(tmp_path / "origin")
+    src = FileStore(tmp_path / "src")
+    key, blob = _damaged_part(src)
+    root = relays(origin.url, "root")
+    chain = open_store(f"{root.url},{origin.url}")
+    with pytest.raises(RefusedError, match="refused .*part-"):
+        chain.put(key, bytes(blob))
+    assert not origin.exists(key) and chain.failovers == 0 and root.stats()["rejected"] == 1
+    chain.put(key, src.get(key))  # the intact part goes through
+    assert origin.get(key) == src.get(key)
+
+
 def test_relay_killed_mid_version_receivers_finish_without_refetching(tmp_path, relays):
     origin = FileStore(tmp_path / "origin")
     root = relays(origin.url, "root")
@@ -198,11 +250,7 @@ def test_corrupted_chunk_at_a_relay_is_not_forwarded(tmp_path, relays):
 
 def test_corrupt_object_from_upstream_is_refused(tmp_path, relays):
     origin = FileStore(tmp_path / "origin")
-    states = _states(1)
-    _publish(origin, 1, states[0], states[1], part_bytes=64 << 10)
-    key = next(k for k in origin.list("versions") if k.endswith(".dcr"))
-    blob = bytearray(origin.get(key))
-    blob[-20] ^= 1
+    key, blob = _damaged_part(origin)
     origin.put(key, bytes(blob))
     root = relays(origin.url, "root")
     with pytest.raises(StoreError, match="corrupt object from upstream, not forwarded"):

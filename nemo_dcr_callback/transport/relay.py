@@ -16,6 +16,12 @@ from its parent (the origin store, or the relay above it) once:
   counted, never cached and never served (the child gets 502 and re-attaches elsewhere).
 - Writes (receiver registrations, acks) are passed up to the parent, so acks reach the
   joint commit at the origin; conditional writes keep their If-None-Match meaning.
+- Senders may write through the root relay (store URL `relay://root,s3://...`): each object
+  is verified, passed up to the origin, then held and announced at once, so it flows down
+  the tree without waiting for the watcher to find it in the origin; a committer reading
+  acks through the relay long-polls instead of polling the origin.
+- The watcher backs off when a round finds nothing new (up to `idle_poll_s`) and is woken
+  at once by writes through this relay, so an idle tree does not keep the origin busy.
 - Peers authenticate with a shared token (Authorization: Bearer); TLS is optional.
 
 The parent is any store (transport.store.open_store): a comma-separated list of URLs makes
@@ -58,6 +64,7 @@ class RelayConfig:
     spill_dir: str | None = None  # None: evicted objects are dropped (and refetched if asked again)
     spill_mb: int = 8192
     poll_s: float = 0.005  # how often the watcher lists the parent; also the TTL of cached listings
+    idle_poll_s: float = 0.04  # the watcher's longest pause after rounds that found nothing new
     prefetch: bool = True  # pull new versions ahead of requests
     threads: int = 16  # concurrent upstream requests
     lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
@@ -218,11 +225,7 @@ class Relay:
         h = xxhash.xxh3_64_hexdigest(data)
         self.missing.pop(key, None)
         if not mutable(key):
-            self.cache.put(key, self._fault.at_rest(key, data), h)
-            self._bump()
-            if "/rank-" in key and key.endswith(".json"):
-                for p in json.loads(data).get("parts", []):
-                    self.manifest_parts[p["key"]] = p
+            self._hold(key, data, h)
         return data, h
 
     def _watched(self, k: tuple[str, str]) -> bool:
@@ -272,6 +275,7 @@ class Relay:
             async with lanes:
                 await self.fetch(k)
 
+        pause, gen0 = self.cfg.poll_s, self.gen
         while True:
             try:
                 versions = [v for v in await self.listing("children", "versions/", fresh=True) if v.isdigit()]
@@ -297,7 +301,13 @@ class Relay:
                     continue
                 except OSError:
                     pass
-            await asyncio.sleep(self.cfg.poll_s)
+            # nothing new: back off (up to idle_poll_s); a write through this relay wakes it at once
+            pause = self.cfg.poll_s if self.gen != gen0 else min(2 * pause, max(self.cfg.poll_s, self.cfg.idle_poll_s))
+            gen0 = self.gen
+            try:
+                await asyncio.wait_for(self._changed.wait(), pause)
+            except TimeoutError:
+                pass
 
     # ------------------------------------------------------------ HTTP
     def _authorized(self, request: web.Request) -> bool:
@@ -343,15 +353,49 @@ class Relay:
         return web.Response(body=data, content_type="application/octet-stream", headers={CHECKSUM_HEADER: h})
 
     async def h_put(self, request: web.Request) -> web.Response:
+        """A write from below, passed up. Immutable objects (a sender writing through this relay)
+        are verified first, then held here and announced, as if fetched from the parent."""
         key = request.match_info["key"]
         data = await request.read()
         self.stats["puts"] += 1
+        keep = not mutable(key)
+        if keep:
+            try:
+                await self._up(verify_object, key, data, self.manifest_parts)
+            except VerifyError as exc:
+                self.stats["rejected"] += 1
+                return web.json_response({"error": f"refused: {exc}"}, status=400)
         if request.query.get("if_absent") == "1":
             created = await self._up(self.parent.put_if_absent, key, data)
-            return web.json_response({"created": created}, status=200 if created else 412)
-        await self._up(self.parent.put, key, data)
-        self.lists.clear()
-        return web.json_response({"ok": True})
+            if not created:  # another writer's object stands: fetched from the parent when asked
+                return web.json_response({"created": False}, status=412)
+        else:
+            await self._up(self.parent.put, key, data)
+        self._listed(key)
+        if keep:
+            self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
+        else:
+            self._bump()
+        return web.json_response({"created": True, "ok": True})
+
+    def _hold(self, key: str, data: bytes, h: str) -> None:
+        """Cache a verified immutable object, learn a manifest's parts, wake the long-polls."""
+        self.missing.pop(key, None)
+        self.cache.put(key, self._fault.at_rest(key, data), h)
+        if "/rank-" in key and key.endswith(".json"):
+            for p in json.loads(data).get("parts", []):
+                self.manifest_parts[p["key"]] = p
+        self._bump()
+
+    def _listed(self, key: str) -> None:
+        """Add a key written through this relay to the cached listings that cover it."""
+        for (op, prefix), (t, names) in list(self.lists.items()):
+            base = prefix.rstrip("/")
+            if base and not key.startswith(base + "/"):
+                continue
+            name = key if op == "list" else key[len(base) + 1 if base else 0:].split("/", 1)[0]
+            if name not in names:
+                self.lists[(op, prefix)] = (t, sorted([*names, name]))
 
     async def h_list(self, request: web.Request) -> web.Response:
         op = "children" if request.path == "/children" else "list"

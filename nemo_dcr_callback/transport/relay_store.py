@@ -77,11 +77,13 @@ class RelayStore:
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
         r = self._req("PUT", "/o/" + quote(key), body=data)
+        _refused(r, key, self.url)
         if r.status != 200:
             raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         r = self._req("PUT", "/o/" + quote(key) + "?if_absent=1", body=data)
+        _refused(r, key, self.url)
         if r.status not in (200, 412):
             raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")
         return r.status == 200
@@ -107,6 +109,16 @@ class RelayStore:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(8, thread_name_prefix="relay-get")
         return self._pool
+
+
+class RefusedError(ValueError):
+    """A relay refused an object as corrupt (HTTP 400): the writer's fault, so a failover chain
+    does not pass it on to the next store."""
+
+
+def _refused(r, key: str, url: str) -> None:
+    if r.status == 400:
+        raise RefusedError(f"relay at {url} refused {key}: {_error(r)}")
 
 
 def _error(r) -> str:
