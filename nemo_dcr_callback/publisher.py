@@ -167,7 +167,8 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
             results.put(("error", version, "an earlier version failed"))
             continue
         try:
-            taken = _unpack(spec.placement, _from_shm(payload) if isinstance(payload[1], str) else payload)
+            taken = _unpack(spec.placement, payload[0], _attach(payload[1]) if isinstance(payload[1], str)
+                            else payload[1])
             if status.get(base) != "abort":  # a version on an aborted base is aborted unsent
                 t0 = time.perf_counter()
                 w = commit.RankWriter(store, version, base, spec.rank, spec.world, part_bytes=spec.part_bytes)
@@ -202,53 +203,84 @@ def _fault_point(rank: int, version: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _pack(index: dict[int, int], taken: list, shm: bool) -> tuple:
-    """The deltas of one version as one blob, written straight into a shared-memory segment
-    for a worker process (the queue then carries only its name: no per-tensor segments, no
-    feeder thread streaming megabytes through a pipe under the trainer's GIL), or as bytes."""
+class _ShmPool:
+    """Reusable shared-memory segments that carry each version's deltas to the worker process.
+    The trainer writes a version into a free segment; the worker reads it in place (no copy
+    out) and reports the version uploaded, which frees the segment for a later version. So a
+    step creates no segment, takes no fresh-page faults and copies its deltas once."""
+
+    def __init__(self):
+        self.free: list = []
+        self.busy: dict[int, object] = {}
+
+    def take(self, version: int, size: int):
+        from multiprocessing import shared_memory
+
+        fits = [s for s in self.free if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self.free.remove(seg)
+        else:  # headroom, so the next versions (a few % larger or smaller) fit too
+            seg = shared_memory.SharedMemory(create=True, size=max(size + size // 4, 1 << 16))
+        self.busy[version] = seg
+        return seg
+
+    def release(self, version: int) -> None:
+        seg = self.busy.pop(version, None)
+        if seg is not None:
+            self.free.append(seg)
+
+    def close(self) -> None:
+        for seg in [*self.free, *self.busy.values()]:
+            seg.close()
+            seg.unlink()
+        self.free, self.busy = [], {}
+
+
+def _pack(index: dict[int, int], taken: list, pool: _ShmPool | None, version: int) -> tuple:
+    """The deltas of one version as one blob: written straight into a pooled shared-memory
+    segment for a worker process (the queue then carries only its name: no feeder thread
+    streaming megabytes through a pipe under the trainer's GIL), or as bytes for a thread."""
     meta, arrs = [], []
     for pm, d in taken:
         parts = [d.positions, d.xor, d.new]
         meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in parts]))
         arrs += [a.contiguous().view(torch.uint8).numpy() for a in parts]
-    if not shm:
-        return meta, b"".join(a.tobytes() for a in arrs)
-    from multiprocessing import shared_memory
-
+    if pool is None:
+        return meta, bytearray(b"".join(a.tobytes() for a in arrs))
     total = sum(a.size for a in arrs)
-    seg = shared_memory.SharedMemory(create=True, size=max(total, 1))
+    seg = pool.take(version, total)
     off = 0
     for a in arrs:
         seg.buf[off:off + a.size] = a
         off += a.size
-    name = seg.name
-    seg.close()
-    return meta, name, total
+    return meta, seg.name, total
 
 
-def _from_shm(payload: tuple[list, str, int]) -> tuple[list, bytes]:
-    from multiprocessing import shared_memory
-
-    meta, name, n = payload
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        return meta, bytes(shm.buf[:n])
-    finally:
-        shm.close()
-        shm.unlink()
+_ATTACHED: dict[str, object] = {}  # worker process: segments by name, attached once
 
 
-def _unpack(placement: Placement, payload: tuple[list, bytes]) -> list:
-    meta, blob = payload
+def _attach(name: str) -> memoryview:
+    """The worker's view of a pooled segment (the trainer owns and unlinks it)."""
+    seg = _ATTACHED.get(name)
+    if seg is None:  # (the spawned worker shares the trainer's resource tracker: one registration)
+        from multiprocessing import shared_memory
+
+        seg = _ATTACHED[name] = shared_memory.SharedMemory(name=name)
+    return seg.buf
+
+
+def _unpack(placement: Placement, meta: list, buf) -> list:
+    """Tensors viewing buf (a segment or a bytearray) in place: valid until the version is
+    reported uploaded."""
     out, off = [], 0
     for i, count, numel, dtype, dts in meta:
         arrs = []
         for dt in dts:
             tdt = getattr(torch, dt.replace("torch.", ""))
-            nbytes = count * torch.empty(0, dtype=tdt).element_size()
-            arrs.append(torch.frombuffer(bytearray(blob[off:off + nbytes]), dtype=tdt) if nbytes else
+            arrs.append(torch.frombuffer(buf, dtype=tdt, count=count, offset=off) if count else
                         torch.empty(0, dtype=tdt))
-            off += nbytes
+            off += count * arrs[-1].element_size()
         out.append((placement.params[i], SparseDelta(arrs[0], arrs[1], numel,
                                                      getattr(torch, dtype.replace("torch.", "")), arrs[2])))
     return out
@@ -295,6 +327,7 @@ class Publisher:
         spec = _WorkerSpec(light, self.store.url, self.rank, self.world, span, level, seal_timeout, nice, self.policy,
                            base_version, self.sender.digests(), part_bytes)
         self._process = worker == "process"
+        self._shm = _ShmPool() if self._process else None
         if worker == "process":
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()
@@ -345,7 +378,7 @@ class Publisher:
         taken = self.sender.take()
         self.sender.commit()  # the baseline moves now; the undo log below restores it on abort or failure
         st = PublishStats(version=version, base=self.last_version, kernel_s=time.perf_counter() - t0)
-        payload = _pack(self._index, taken, self._process)
+        payload = _pack(self._index, taken, self._shm, version)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
             self._drain(block=True, timeout=1.0)  # back-pressure
@@ -375,6 +408,8 @@ class Publisher:
         finally:
             self._jobs.put(None)
             self._worker.join(timeout=30)
+            if self._shm is not None:
+                self._shm.close()
         self.store.put(f"stats/rank-{self.rank:05d}.json", json.dumps([asdict(h) for h in self.history]).encode())
 
     def _undo_from(self, version: int) -> None:
@@ -397,6 +432,8 @@ class Publisher:
             except queue.Empty:
                 return
             block = False
+            if self._shm is not None:  # the worker is done reading this version's deltas
+                self._shm.release(version)
             if version not in self._inflight:
                 continue  # already undone (a later version of an aborted chain)
             if kind == "decided" and info.decision == "commit":
