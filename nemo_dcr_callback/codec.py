@@ -490,6 +490,9 @@ def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_
     """Yield (lo, hi, start, end): position-range chunks and their slice of positions."""
     if numel == 0:
         return
+    if numel <= span:  # one range (most tensors): no search
+        yield 0, numel, 0, positions.numel()
+        return
     bounds = torch.arange(0, numel + span, span, dtype=torch.int64).clamp_(max=numel)
     idx = torch.searchsorted(positions.to(torch.int64), bounds).tolist()
     b = bounds.tolist()

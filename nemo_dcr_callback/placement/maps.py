@@ -16,6 +16,7 @@ parameter's flat range evenly, so every canonical element is sent by exactly one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +69,7 @@ class Placement:
         self.dtype = dtype
 
     def numel(self, name: str) -> int:
-        return int(np.prod(self.canonical[name], dtype=np.int64))
+        return math.prod(self.canonical[name])
 
     @staticmethod
     def project(pm: ParamMap, positions: np.ndarray) -> list[Projected]:
