@@ -54,6 +54,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, default=0)
     ap.add_argument("--id", required=True)
+    ap.add_argument("--apply", choices=["early", "late"], default="early")
     a = ap.parse_args(args)
     torch.set_num_threads(1)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
@@ -63,7 +64,7 @@ def receiver_main(args: list[str]) -> int:
 
     if a.versions:  # DCR: follow the store (or relay chain), then report the bits held
         store = open_store(a.url)
-        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005)
+        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, early=a.apply == "early")
         out({"ready": True, "cpu_s": time.process_time()})
         f.follow(until=a.versions, timeout=600, on_apply=lambda x: out(
             {"version": x.version, "t_applied": time.time(), "fetch_s": x.fetch_s, "apply_s": x.apply_s,
@@ -185,7 +186,7 @@ def _cpu_s(pid: int) -> float:
 
 # ------------------------------------------------------------------ the run
 def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 3,
-        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None) -> dict:
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "early") -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic
@@ -248,7 +249,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                         rx.append(JsonProc(_in_ns(link.ns, [
                             sys.executable, "-m", "nemo_dcr_callback.bench_relay", "receiver", "--url", url,
                             "--dense-url", s3.url(prefix), "--init", str(init), "--id", f"{region}-{i}",
-                            "--versions", "0" if name == "dense-s3" else str(versions)]),
+                            "--versions", "0" if name == "dense-s3" else str(versions), "--apply", apply]),
                             env, work / f"rx-{name}-{region}-{i}.log"))
                 cpu = [r.next(120).get("cpu_s", 0.0) for r in rx]
                 procs += rx
@@ -339,7 +340,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
     by = {r["scenario"]: r for r in scen_rows}
     both = "dcr-relay" in by and "dcr-relay-1" in by
-    res = {"benchmark": "relay", "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
+    res = {"benchmark": "relay", "apply": apply, "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
            "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
            "relay_loopback": tput,
            "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"] if both else None,

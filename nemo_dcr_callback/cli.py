@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which to run, comma-separated (the 1.3x ratio needs dcr-relay and dcr-relay-1; "
                          "loopback: one relay's serving rate)")
     bl.add_argument("--versions", type=_positive, default=3, help="versions per DCR scenario")
+    bl.add_argument("--apply", choices=["early", "late"], default="early",
+                    help="receivers apply parts as they arrive (early, the default) or after the commit (late)")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
-                            scenarios=args.scenarios.split(","))
+                            scenarios=args.scenarios.split(","), apply=args.apply)
         elif args.cmd == "relay":
             return _relay(args)
         elif args.cmd == "plan":

@@ -328,3 +328,41 @@ def test_tls_and_nearest_relay(tmp_path, relays):
     topo = Topology.from_dict({"origin": origin.url, "relays": {
         "dead": {"url": "relay://127.0.0.1:9"}, "plain": {"url": plain.url}}})
     assert topo.nearest() == "plain"
+
+
+def test_listing_keeps_a_key_written_through_while_it_was_on_its_way(tmp_path):
+    """The parent lists slowly (S3 under load) and a sender's write through the relay lands in
+    between: the listing the relay then holds and serves still has the key (before the fix
+    a decision written this way could vanish from the listing for good and receivers hung).
+    In-process: the Relay's listing coroutine and the bookkeeping its PUT handler does."""
+    import asyncio
+    import time
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    origin.put("versions/0000000001/VERSION.json", b"{}")
+    key = "versions/0000000001/DECISION.json"
+
+    class SlowList:
+        url = origin.url
+
+        def list(self, prefix):
+            out = origin.list(prefix)
+            time.sleep(0.3)  # the answer is on its way while the write lands
+            return out
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    async def main():
+        relay = Relay(SlowList(), RelayConfig(prefetch=False))
+        pending = asyncio.create_task(relay.listing("list", "versions/0000000001", fresh=True))
+        await asyncio.sleep(0.1)
+        origin.put(key, b"{}")  # what h_put does: the parent takes the write, then the relay notes it
+        relay._listed(key)
+        fetched = await pending
+        return fetched, relay.lists[("list", "versions/0000000001")][1]
+
+    fetched, held = asyncio.run(main())
+    assert key in fetched and key in held

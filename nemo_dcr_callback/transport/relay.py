@@ -167,6 +167,7 @@ class Relay:
         self.missing: dict[str, float] = {}  # key -> time it was last seen absent upstream
         self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
         self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self.put_at: dict[str, float] = {}  # keys written through this relay -> when
         self.manifest_parts: dict[str, dict] = {}
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
@@ -249,6 +250,11 @@ class Relay:
             except BaseException:
                 self.stats["upstream_errors"] += 1
                 raise
+            # keys written through this relay while the listing was on its way may be missing
+            # from it (the parent listed first): keep them, or children would never see them
+            late = {n for key, at in self.put_at.items() if at >= t and (n := _name_in(op, prefix, key))}
+            if late - set(out):
+                out = sorted(set(out) | late)
             if hit is None or hit[1] != out:
                 self._bump()
             self.lists[k] = (t, out)
@@ -388,13 +394,15 @@ class Relay:
         self._bump()
 
     def _listed(self, key: str) -> None:
-        """Add a key written through this relay to the cached listings that cover it."""
+        """Add a key written through this relay to the cached listings that cover it (and note
+        when, for listings still on their way from the parent)."""
+        now = time.monotonic()
+        self.put_at[key] = now
+        if len(self.put_at) > 4096:  # only the last seconds matter
+            self.put_at = {k: at for k, at in self.put_at.items() if now - at < 60.0}
         for (op, prefix), (t, names) in list(self.lists.items()):
-            base = prefix.rstrip("/")
-            if base and not key.startswith(base + "/"):
-                continue
-            name = key if op == "list" else key[len(base) + 1 if base else 0:].split("/", 1)[0]
-            if name not in names:
+            name = _name_in(op, prefix, key)
+            if name and name not in names:
                 self.lists[(op, prefix)] = (t, sorted([*names, name]))
 
     async def h_list(self, request: web.Request) -> web.Response:
@@ -450,6 +458,14 @@ class Relay:
         if self.runner:
             await self.runner.cleanup()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _name_in(op: str, prefix: str, key: str) -> str | None:
+    """What a listing (op: list | children) of prefix shows for key, or None if not covered."""
+    base = prefix.rstrip("/")
+    if base and not key.startswith(base + "/"):
+        return None
+    return key if op == "list" else key[len(base) + 1 if base else 0:].split("/", 1)[0]
 
 
 async def _single_flight(inflight: dict, key, make):
