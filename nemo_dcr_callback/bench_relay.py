@@ -54,7 +54,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, default=0)
     ap.add_argument("--id", required=True)
-    ap.add_argument("--apply", choices=["early", "late"], default="early")
+    ap.add_argument("--apply", choices=["early", "late"], default="late")
     a = ap.parse_args(args)
     torch.set_num_threads(1)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
@@ -73,7 +73,7 @@ def receiver_main(args: list[str]) -> int:
         out({"ready": True})
         dense_store = open_store(a.dense_url)
         while not dense_store.exists("dense/READY.json"):
-            time.sleep(0.005)
+            time.sleep(0.05)  # gently: 8 receivers polling S3 every 5 ms would load the sender's upload
         for k, t in load(dense_store.get("dense/model.safetensors")).items():
             tensors[k].copy_(t)
         out({"dense_t_loaded": time.time()})
@@ -186,7 +186,7 @@ def _cpu_s(pid: int) -> float:
 
 # ------------------------------------------------------------------ the run
 def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 3,
-        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "early") -> dict:
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "late") -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic

@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which to run, comma-separated (the 1.3x ratio needs dcr-relay and dcr-relay-1; "
                          "loopback: one relay's serving rate)")
     bl.add_argument("--versions", type=_positive, default=3, help="versions per DCR scenario")
-    bl.add_argument("--apply", choices=["early", "late"], default="early",
-                    help="receivers apply parts as they arrive (early, the default) or after the commit (late)")
+    bl.add_argument("--apply", choices=["early", "late"], default="late",
+                    help="receivers apply after the commit (late, the default) or parts as they arrive (early)")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")

@@ -203,7 +203,7 @@ def test_early_apply_undone_on_abort(store):
     version is aborted: the receiver holds version 0 exactly."""
     states = _states(1)
     tensors = {k: t.clone() for k, t in states[0].items()}
-    f = Follower(store, tensors)
+    f = Follower(store, tensors, early=True)
     _stream_early(store, f, states[0], states[1])
     assert f._parts[1].applied and not _same(tensors, states[0])  # really applied early
     rec = commit.seal_version(store, 1, 0, 1)
@@ -224,7 +224,7 @@ def test_early_apply_undone_when_the_digests_fail(store):
     i = int((~changed).nonzero()[0])
     flat[i] ^= 1
     before = {k: t.clone() for k, t in tensors.items()}
-    f = Follower(store, tensors)  # holds "version 0": no record to check it against
+    f = Follower(store, tensors, early=True)  # holds "version 0": no record to check it against
     _stream_early(store, f, states[0], states[1])
     assert f._parts[1].applied
     commit.seal_version(store, 1, 0, 1)
@@ -238,7 +238,7 @@ def test_early_apply_of_a_stray_part_is_taken_back(store):
     the seal it is undone with the rest and the version's own parts give the exact bits."""
     states = _states(1)
     tensors = {k: t.clone() for k, t in states[0].items()}
-    f = Follower(store, tensors)
+    f = Follower(store, tensors, early=True)
     m = _stream_early(store, f, states[0], states[1])
     stray = commit.part_key(1, 0, 999)
     store.put(stray, store.get(m["parts"][0]["key"]))  # a valid copy: applying it twice undoes it

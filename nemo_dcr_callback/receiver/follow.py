@@ -8,13 +8,15 @@ additive digests against the version record. Nothing from a version that fails a
 is applied; an aborted version is dropped. A receiver that is behind chains committed
 deltas; one with nothing, or too far behind, starts from a keyframe.
 
-Early apply (in-memory tensors, the default there): the parts of the next version are
+Early apply (opt-in, in-memory tensors: `early=True`): the parts of the next version are
 applied in place as they arrive, each chunk verified first, with an undo record (XOR is its
 own inverse; other ops keep the old bits), and the digests are checked before the ack, as
 in the design's receiver path (apply, verify, ack). So the apply overlaps the transfer
 instead of following the decision. Anything that then fails (a part against its manifest,
 a digest, an abort) is undone exactly before the version is dropped: the weights are back
-on the bits of the version held.
+on the bits of the version held. Off by default: on a host whose CPUs the receiver shares
+with the senders and relays (this project's benchmarks), applying chunk by chunk during the
+transfer costs more CPU than the batched apply after the decision and slowed the refit.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Follower:
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
                  decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None, early: bool = True):
+                 journal: str | None = None, early: bool = False):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
