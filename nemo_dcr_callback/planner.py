@@ -48,6 +48,10 @@ class Coefficients:
     store_put_MBps: float  # one client's PUTs into the local object store (client + server CPU included)
     gpu_kernel_gbps: float = 3360.0  # ASSUMED where cuda.json is missing: 70% of 4.8 TB/s (issue 8's target)
     gpu_apply_gbps: float = 2400.0  # ASSUMED likewise: 50% of 4.8 TB/s
+    # one shared host (validation runs): CPU-s per version of each process of the 1-receiver
+    # relay run (sender + committer, the object store, the root relay, a region relay serving
+    # one receiver, one receiver) and that run's dense and payload bytes; None: not measured
+    host_cpu: dict[str, float] | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -66,6 +70,15 @@ class Coefficients:
         r3 = relay["rate"]
         work = dense_r / 1e9 / _interp(per["decode"], r3) + dense_r / 1e9 / _interp(per["apply"], r3)
         over = max(0.0, one["receiver_cpu_s"] - work)
+        host_cpu = None
+        rows1 = [r for r in one.get("rows", []) if "cpu_s_by" in r]
+        if rows1:  # bench relay's split of the host's CPU per process (dcr-relay-1: root, region a)
+            med = lambda f: statistics.median(f(r) for r in rows1)  # noqa: E731
+            host_cpu = {"sender": med(lambda r: r["cpu_s_by"]["sender"]), "store": med(lambda r: r["cpu_s_by"]["s3"]),
+                        "root_relay": med(lambda r: r["cpu_s_by"]["relay-0"]),
+                        "region_relay": med(lambda r: r["cpu_s_by"]["relay-1"]),
+                        "receiver": med(lambda r: r["receiver_cpu_s"]), "dense_bytes": float(dense_r),
+                        "payload_bytes": float(one["bytes_per_version"])}
         gpu: dict = {}
         gpu_source = "assumed (the H200 targets of issue 8): no benchmarks/results/cuda.json"
         if (results / "cuda.json").exists():  # scripts/device_check.sh on a GPU
@@ -79,7 +92,7 @@ class Coefficients:
                    encode=per["encode"], decode=per["decode"], apply=per["apply"], link_efficiency=eff,
                    request_s=req, receiver_overhead_cpu_s=over,
                    relay_gbps_per_core=relay["relay_loopback"]["relay_MB_per_cpu_s"] / 1e3,
-                   store_put_MBps=refit["dense_bytes"] / refit["dense_upload_s"] / 1e6,
+                   store_put_MBps=refit["dense_bytes"] / refit["dense_upload_s"] / 1e6, host_cpu=host_cpu,
                    sources={
                        "ratio, kernel, encode, decode, apply": "codec.json (nemo-dcr bench codec: per core, medians)",
                        "link_efficiency": "refit.json: dense download bytes / time / nominal tbf rate",
@@ -88,7 +101,9 @@ class Coefficients:
                                                   "decode + apply of that model (codec.json rates)",
                        "relay_gbps_per_core": "relay.json: loopback bytes served per relay CPU-second",
                        "store_put_MBps": "refit.json: the dense checkpoint's upload into SeaweedFS (same machine)",
-                       "gpu_kernel_gbps, gpu_apply_gbps": gpu_source}, **gpu)
+                       "gpu_kernel_gbps, gpu_apply_gbps": gpu_source,
+                       "host_cpu": "relay.json dcr-relay-1: CPU-s per version of each process (medians over "
+                                   "versions; the bench reads /proc)" if host_cpu else "not in relay.json"}, **gpu)
 
 
 @dataclass
@@ -166,6 +181,9 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
     first = co.request_s + inp.link_latency_s * (1 + hops)  # the first part noticed downstream
     commit = co.request_s + 2 * inp.link_latency_s * (1 + hops)  # ack up to the committer, decision down
     total = first + streamed + protocol + commit + app
+    floor = _host_cpu_floor(inp, co, D, P)
+    if floor is not None and first + floor + commit > total:  # the shared cores, not the path, bound it
+        total, slowest = first + floor + commit, "shared CPU (all processes)"
     dense_one = D / link + D / (_interp(co.apply, inp.rate) * gb)  # one dense copy across the link, loaded
     dense_s3 = R * D / link + D / (_interp(co.apply, inp.rate) * gb)  # every receiver pulls it
     return {"input": asdict(inp), "payload_bytes": P, "dense_bytes": D,
@@ -174,6 +192,20 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
                             "commit": commit, "apply": app},
             "critical_path": slowest, "streamed_s": streamed, "total_s": total,
             "dense_one_copy_s": dense_one, "dense_s3_s": dense_s3}
+
+
+def _host_cpu_floor(inp: PlanInput, co: Coefficients, D: float, P: float) -> float | None:
+    """A relay tree whose every process shares one host's cores (the validation runs): the CPU
+    all of them spend per version, over the cores, bounds the refit from below. Per-process
+    CPU comes from the 1-receiver relay run, scaled by model and payload size; region relays
+    and receivers scale with the receivers they serve. None where not calibrated."""
+    h = co.host_cpu
+    if not inp.host_cores or h is None or inp.transport != "relay":
+        return None
+    kd, kp = D / h["dense_bytes"], P / h["payload_bytes"]
+    n = inp.receivers * inp.regions
+    cpu = kd * h["sender"] + kp * (h["store"] + h["root_relay"]) + n * (kp * h["region_relay"] + kd * h["receiver"])
+    return cpu / inp.host_cores
 
 
 # ------------------------------------------------------------------ validation against our runs

@@ -10,15 +10,39 @@ from nemo_dcr_callback.cli import main
 
 
 def test_predictions_against_measured_refits():
-    """Within 20% of every measured configuration but one known miss: 8 receivers, 3 relays,
-    the store and the sender on 2 shared cores (see docs/PLANNER.md). A new miss fails."""
+    """Within 20% of every measured configuration (the issue's validation target). The
+    8-receiver relay run is bound by the 2 shared cores: its prediction is the per-process
+    CPU of the 1-receiver run scaled to 8 receivers, over the cores (docs/PLANNER.md)."""
     rows = planner.validate()
     assert len(rows) == 6
     misses = [r["case"] for r in rows if abs(r["error"]) > 0.2]
-    assert misses == ["bench relay dcr-relay (8 receivers)"], rows
+    assert misses == [], rows
     by = {r["case"]: r for r in rows}
-    assert by["bench relay dcr-relay (8 receivers)"]["predicted_s"] < by["bench relay dcr-s3 (8 receivers)"][
-        "predicted_s"]
+    eight = by["bench relay dcr-relay (8 receivers)"]
+    assert eight["critical_path"].startswith("shared CPU")
+    assert eight["predicted_s"] < by["bench relay dcr-s3 (8 receivers)"]["predicted_s"]
+
+
+def test_host_cpu_floor_only_where_calibrated(tmp_path):
+    """Without the per-process CPU split in relay.json, or for object storage, or with hosts of
+    their own, no shared-CPU floor applies."""
+    import json
+    import shutil
+
+    co = planner.Coefficients.load()
+    assert co.host_cpu and co.host_cpu["receiver"] > 0 and "dcr-relay-1" in co.sources["host_cpu"]
+    inp = planner.PlanInput(1 << 27, 0.03, transport="relay", receivers=4, regions=2, host_cores=2)
+    assert planner._host_cpu_floor(inp, co, 2 * (1 << 27), 4.3e6) is not None
+    assert planner._host_cpu_floor(planner.PlanInput(**{**inp.__dict__, "host_cores": 0}), co, 1, 1) is None
+    assert planner._host_cpu_floor(planner.PlanInput(**{**inp.__dict__, "transport": "s3"}), co, 1, 1) is None
+    for name in ("codec.json", "refit.json"):
+        shutil.copy(planner.RESULTS / name, tmp_path / name)
+    relay = json.loads((planner.RESULTS / "relay.json").read_text())
+    for s in relay["scenarios"]:
+        for r in s.get("rows", []):
+            r.pop("cpu_s_by", None)
+    (tmp_path / "relay.json").write_text(json.dumps(relay))
+    assert planner.Coefficients.load(tmp_path).host_cpu is None
 
 
 def test_model_shape():
@@ -44,7 +68,7 @@ def test_cli(capsys):
     out = capsys.readouterr().out
     assert "critical path" in out and "total refit" in out
     assert main(["plan"]) == 2
-    assert main(["plan", "--validate"]) == 1  # the known miss: the target (all within 20%) is not met
+    assert main(["plan", "--validate"]) == 0  # every configuration within 20%
 
 
 def test_gpu_rates_come_from_the_device_check(tmp_path):
