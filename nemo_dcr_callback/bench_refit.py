@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,6 +234,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
               f"{100 * r['realized']:8.0f}% {r['overlap']:8.2f}")
     print(f"receiver's DCR-built weights bit-exact with the dense download: {got['bit_exact']}; "
           f"{dense_bytes / 1e9:.2f} GB over {mbit:.0f} Mbit/s")
+    shutil.rmtree(work, ignore_errors=True)  # a GB or more of checkpoints and store data per run
     if json_path:
         write_json(json_path, res)
     if not got["bit_exact"]:

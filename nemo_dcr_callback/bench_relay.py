@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -362,6 +363,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     if tput:
         print(f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (median of {len(tput['trials'])}, {tput['clients']} "
               f"clients on the same 2 cores; target >= 800), {tput['relay_MB_per_cpu_s']:.0f} MB per relay CPU-second")
+    shutil.rmtree(work, ignore_errors=True)  # a GB or more of checkpoints and store data per run
     if json_path:
         write_json(json_path, res)
     return res
