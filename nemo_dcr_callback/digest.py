@@ -103,19 +103,10 @@ def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.T
 
 def update_xor(d: int, positions, new: torch.Tensor, xor: torch.Tensor) -> int:
     """update() for an XOR delta: the old values are new ^ xor (what a sender holds)."""
-    lib = kernels.native()
-    if lib is None or new.device.type != "cpu" or xor.device.type != "cpu":
-        return update(d, positions, (bits(new) ^ bits(xor)).view(new.dtype), new)
-    # the sender's encoder calls this for every chunk: straight to the compiled sums
-    nb = bits(new).reshape(-1).contiguous()
-    ob = nb ^ bits(xor).reshape(-1)
-    pos = positions.numpy() if isinstance(positions, torch.Tensor) else positions
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
-    if pos.size != nb.numel() or ob.numel() != nb.numel():
-        raise ValueError(f"{pos.size} positions for {nb.numel()} new and {ob.numel()} xor values")
-    w, n, t = nb.element_size(), nb.numel(), kernels.num_threads()
-    return (d - int(lib.dcr_sum64(ob.data_ptr(), w, pos.ctypes.data, 0, n, t))
-            + int(lib.dcr_sum64(nb.data_ptr(), w, pos.ctypes.data, 0, n, t))) & MASK
+    if isinstance(positions, torch.Tensor):  # converted once for both sums (the encoder calls this per chunk)
+        positions = positions.numpy()
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    return update(d, positions, (bits(new) ^ bits(xor)).view(new.dtype), new)
 
 
 def update(d: int, positions, old: torch.Tensor, new: torch.Tensor) -> int:
