@@ -7,10 +7,12 @@ weights, timed from the end of the optimizer step to the last receiver's verifie
 
   dense-s3   every receiver downloads the full safetensors checkpoint from S3
   dcr-s3     every receiver follows S3 directly (each pulls the delta across its link)
-  dcr-relay  a relay per region (parent: the root relay, then S3); receivers attach to it
+  dcr-relay  a relay per region (parent: the root relay, then S3); receivers attach to it;
+             the sender writes through the root relay (relay://root, then S3)
   dcr-relay-1  the same tree with a single receiver (the 1.3x reference)
 
-Bytes on each inter-region link are read from the veth counters (what really crossed).
+Bytes on each inter-region link are read from the veth counters (what really crossed); per
+version, the sender's timeline and the CPU each process spent (from /proc) are recorded.
 Then one relay's serving rate on loopback (cached parts to concurrent clients). Every
 receiver's weights are compared with the sender's dense BF16 weights (the oracle: xxh3-128
 of every tensor's bits, so the check itself sends nothing over the shaped links).
@@ -261,14 +263,17 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                 idle = (_host_busy_s() - b0) / (time.time() - w0)
                 print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
                 sender = TensorSender(cur)
+                relays = procs[:len(procs) - len(rx)]
+
+                def cpu_now() -> dict[str, float]:  # CPU-s so far of each process but the receivers
+                    return {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)},
+                            "s3": _cpu_s(s3.proc.pid), "sender": time.process_time()}
+
                 for v in range(1, (0 if name == "dense-s3" else versions) + 1):
                     policy.step(lr)
                     cur = policy.bf16()
                     t0 = time.time()
-                    busy0 = _host_busy_s()
-                    relays = procs[:len(procs) - len(rx)]
-                    c0 = {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)}, "s3": _cpu_s(s3.proc.pid),
-                          "sender": time.process_time()}
+                    busy0, c0 = _host_busy_s(), cpu_now()
                     sender.tensors = cur
                     taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
                     t_streamed = time.time() - t0
@@ -280,9 +285,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                         raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
                     sender.commit()
                     got = [r.next() for r in rx]
-                    host_busy = _host_busy_s() - busy0
-                    c1 = {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)}, "s3": _cpu_s(s3.proc.pid),
-                          "sender": time.process_time()}
+                    host_busy, c1 = _host_busy_s() - busy0, cpu_now()
                     cpu_by = {k: c1[k] - c0[k] for k in c0}
                     ends = sorted(g["t_applied"] - t0 for g in got)
                     rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, cpu, strict=True))
