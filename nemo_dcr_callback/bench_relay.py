@@ -228,6 +228,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
             save_file(cur, str(init))
             procs: list[JsonProc] = []
             rx: list[JsonProc] = []
+            relay_urls: list[str] = []  # in the order of procs: root, then one per region
             try:
                 root_url = None
                 if name.startswith("dcr-relay"):
@@ -235,6 +236,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
 
                     p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work)
                     procs.append(p)
+                    relay_urls.append(root_url)
                     # the sender (and committer) writes through the root relay, which passes every
                     # object on to S3 and down the tree at once; S3 stays the failover
                     store = FailoverStore([RelayStore(root_url, token=token), store])
@@ -247,6 +249,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                         p, rurl = _relay(link.ns, link.ip_b, f"{root_url},{s3.url(prefix)}", f"region-{region}",
                                          env, work)
                         procs.append(p)
+                        relay_urls.append(rurl)
                         url = f"{rurl},{root_url},{s3.url(prefix)}"
                     for i in range(n):
                         rx.append(JsonProc(_in_ns(link.ns, [
@@ -269,10 +272,17 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     return {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)},
                             "s3": _cpu_s(s3.proc.pid), "sender": time.process_time()}
 
+                def requests_now() -> dict[str, dict[str, int]]:  # requests each relay has served, by kind
+                    from nemo_dcr_callback.transport.relay_store import RelayStore
+
+                    return {f"relay-{i}": RelayStore(u, token=token).stats()["requests"]
+                            for i, u in enumerate(relay_urls)}
+
                 for v in range(1, (0 if name == "dense-s3" else versions) + 1):
                     policy.step(lr)
                     cur = policy.bf16()
                     t0 = time.time()
+                    q0 = requests_now()
                     busy0, c0 = _host_busy_s(), cpu_now()
                     sender.tensors = cur
                     taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
@@ -287,6 +297,8 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     got = [r.next() for r in rx]
                     host_busy, c1 = _host_busy_s() - busy0, cpu_now()
                     cpu_by = {k: c1[k] - c0[k] for k in c0}
+                    q1 = requests_now()
+                    req_by = {r: {k: n - q0[r].get(k, 0) - (k == "stats") for k, n in q1[r].items()} for r in q0}
                     ends = sorted(g["t_applied"] - t0 for g in got)
                     rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, cpu, strict=True))
                     cpu = [g["cpu_s"] for g in got]
@@ -294,6 +306,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     rows.append({"version": v, "delta_bytes": m["bytes"], "first_s": ends[0], "last_s": ends[-1],
                                  "sender_s": {"streamed": t_streamed, "sealed": t_sealed, "decided": t_decided},
                                  "acks_s": acks, "host_busy_cpu_s": host_busy, "cpu_s_by": cpu_by,
+                                 "requests_by": req_by,
                                  "acked": len(d["acked"]), "receiver_cpu_s": rx_cpu,
                                  "fetch_s": [g["fetch_s"] for g in got], "apply_s": [g["apply_s"] for g in got],
                                  "commit_wait_s": [g["wait_s"] for g in got]})
@@ -301,7 +314,9 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                           f"last of {len(rx)} {ends[-1]:.2f} s; receivers used {rx_cpu:.2f} CPU-s (sender: streamed "
                           f"{t_streamed:.2f} s, sealed {t_sealed:.2f} s, acks {acks[0]:.2f}-{acks[-1]:.2f} s, "
                           f"decided {t_decided:.2f} s; the host busy {host_busy:.2f} CPU-s: "
-                          + ", ".join(f"{k} {x:.2f}" for k, x in cpu_by.items()) + ")", flush=True)
+                          + ", ".join(f"{k} {x:.2f}" for k, x in cpu_by.items()) + ")"
+                          + ("; requests served: " + ", ".join(f"{r} {sum(q.values())}" for r, q in req_by.items())
+                             if req_by else ""), flush=True)
                 dense_last = None
                 if name == "dense-s3":
                     t0 = time.time()

@@ -137,6 +137,16 @@ def read_json(store, key: str):
         return None
 
 
+def read_jsons(store, keys: list[str]) -> list:
+    """read_json of each key, concurrently where the store has a thread pool (a fleet's acks
+    and registrations: one request each, which in a row put a round trip per receiver on the
+    commit's path)."""
+    pool = getattr(store, "executor", None)
+    if pool is None or len(keys) < 2:
+        return [read_json(store, k) for k in keys]
+    return list(pool().map(lambda k: read_json(store, k), keys))
+
+
 # ------------------------------------------------------------------ sender side
 class RankWriter:
     """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
@@ -252,11 +262,10 @@ def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
     """Registered receivers (those seen within live_s seconds, if given)."""
     out = {}
     now = time.time()
-    for name in store.children("receivers"):
-        if name.endswith(".json"):
-            r = read_json(store, f"receivers/{name}")
-            if r is not None and (live_s is None or now - r["time"] <= live_s):
-                out[r["receiver"]] = r
+    names = [n for n in store.children("receivers") if n.endswith(".json")]
+    for r in read_jsons(store, [f"receivers/{n}" for n in names]):
+        if r is not None and (live_s is None or now - r["time"] <= live_s):
+            out[r["receiver"]] = r
     return out
 
 
@@ -269,11 +278,10 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None) -> dict[str, Ac
     """The acks of v by receiver. `seen` (ack object name -> ack) caches what earlier calls
     read: acks are written once, so a poll lists and reads only the new ones."""
     seen = {} if seen is None else seen
-    for name in store.children(f"{vdir(v)}/acks"):
-        if name not in seen:
-            a = read_json(store, f"{vdir(v)}/acks/{name}")
-            if a is not None:
-                seen[name] = a
+    new = [n for n in store.children(f"{vdir(v)}/acks") if n not in seen]
+    for name, a in zip(new, read_jsons(store, [f"{vdir(v)}/acks/{n}" for n in new]), strict=True):
+        if a is not None:
+            seen[name] = a
     return {a["receiver"]: a for a in seen.values()}
 
 
@@ -380,7 +388,7 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decisio
         left = deadline - time.monotonic()
         if left < 0:
             raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
-        token = wait_change(store, token, poll, min(1.0, left))
+        token = wait_change(store, token, poll, min(1.0, left), data_only=True)  # a decision is data
 
 
 # ------------------------------------------------------------------ restarting a sender

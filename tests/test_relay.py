@@ -366,3 +366,27 @@ def test_listing_keeps_a_key_written_through_while_it_was_on_its_way(tmp_path):
 
     fetched, held = asyncio.run(main())
     assert key in fetched and key in held
+
+
+def test_receivers_long_poll_wakes_on_data_not_on_acks(tmp_path, relays):
+    """A fleet's acks and registrations are changes too; a receiver waiting for the next part
+    (data_only) sleeps through them, while the committer's plain wait wakes at once. Before,
+    every ack woke every receiver below the relay (R x R wake-ups and listings per version)."""
+    import time
+
+    origin = FileStore(tmp_path / "origin")
+    r = relays(origin.url, "root")
+    store = RelayStore(r.url, token=TOKEN)
+    gen = store.wait(0, 0.01)
+    store.put(commit.ack_key(1, "worker-3"), b"{}")  # an ack written through the relay
+    commit.register(store, "worker-4", 1)  # and a registration
+    t0 = time.monotonic()
+    g1 = store.wait(gen, 0.4, data_only=True)
+    slept = time.monotonic() - t0
+    assert slept > 0.3, f"a data-only wait woke on an ack after {slept:.3f} s"
+    t0 = time.monotonic()
+    assert store.wait(gen, 5.0) > gen and time.monotonic() - t0 < 1.0  # the committer's wait: at once
+    origin.put("versions/0000000001/rank-00000/part-000000.dcr", b"x")  # data appears upstream
+    t0 = time.monotonic()
+    g2 = store.wait(g1, 5.0, data_only=True)
+    assert g2 > g1 and time.monotonic() - t0 < 3.0  # the watcher's listing wakes data waiters

@@ -124,7 +124,7 @@ def test_multi_rank_round_trip_with_acks(store):
     acks, and both end bit-exact with the new tensors, digests checked."""
     states = _states(1)
     recv = {i: {k: t.clone() for k, t in states[0].items()} for i in range(2)}
-    fs = [Follower(store, recv[i], receiver_id=f"worker-{i}") for i in range(2)]
+    fs = [Follower(store, recv[i], receiver_id=f"worker-{i}", register_every_s=0) for i in range(2)]
     _write(store, 1, 0, states[0], states[1], world=4)
     rec = commit.seal_version(store, 1, 0, 4, timeout=10)
     assert len(rec["ranks"]) == 4 and rec["digests"]

@@ -81,7 +81,7 @@ class Follower:
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
                  decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None, early: bool = False):
+                 journal: str | None = None, early: bool = False, register_every_s: float = 30.0):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
@@ -117,6 +117,11 @@ class Follower:
         # ack; journaled weights, loaders and checkpoint directories apply after the decision
         self.early = early and self.journal is None and self.digests is not None and isinstance(
             self.target, StateDictTarget)
+        # The registration (liveness, and the version held, which gc keeps) is refreshed after
+        # an apply at most every register_every_s: a write per version per receiver is load on
+        # the relays and the store that a fleet multiplies, and it was on the refit's path.
+        self.register_every_s = register_every_s
+        self._registered_at = time.monotonic()
         if receiver_id:
             commit.register(store, receiver_id, version)
 
@@ -334,8 +339,9 @@ class Follower:
                 checked = self._check_digests(v, rec, {n: (old[n], new[n]) for n in old})
         self.version = v
         self._parts.pop(v, None)
-        if self.receiver_id:
+        if self.receiver_id and time.monotonic() - self._registered_at >= self.register_every_s:
             commit.register(self.store, self.receiver_id, v)
+            self._registered_at = time.monotonic()
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
                        rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked)
 
@@ -434,7 +440,7 @@ class Follower:
             left = deadline - time.monotonic()
             if left < 0:
                 raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
-            self._token = wait_change(self.store, self._token, poll_s, min(1.0, left))
+            self._token = wait_change(self.store, self._token, poll_s, min(1.0, left), data_only=True)
 
 
 class _Aborted(Exception):

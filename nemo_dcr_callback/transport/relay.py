@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,17 +175,36 @@ class Relay:
         self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
+                      "requests": {},  # served, by kind: GET, HEAD, PUT (objects), wait, list, children, stats
                       "started": time.time()}
         self._fault = _Fault(cfg.fault)
         self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
+        self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
         self._changed = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
-    def _bump(self) -> None:
+    def _bump(self, *keys: str) -> None:
+        """Something new is here: the keys that changed (none: not known which)."""
         self.gen += 1
+        for k in keys or (None,):
+            self.changes.append((self.gen, k))
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _news(self, known: int, data_only: bool) -> bool:
+        """Has anything changed since generation `known` (data_only: any immutable object:
+        parts, manifests, records, decisions; not acks or registrations)?"""
+        if self.gen <= known:
+            return False
+        if not data_only:
+            return True
+        for g, key in reversed(self.changes):
+            if g <= known:
+                return False
+            if key is None or not mutable(key):
+                return True
+        return True  # the log does not reach back that far: say yes
 
     # ------------------------------------------------------------ upstream
     async def _up(self, fn, *args):
@@ -227,6 +246,8 @@ class Relay:
         self.missing.pop(key, None)
         if not mutable(key):
             self._hold(key, data, h)
+            if not self._announced(key):  # listed already: its waiters woke then (a GET joins this fetch)
+                self._bump(key)
         return data, h
 
     def _watched(self, k: tuple[str, str]) -> bool:
@@ -256,7 +277,8 @@ class Relay:
             if late - set(out):
                 out = sorted(set(out) | late)
             if hit is None or hit[1] != out:
-                self._bump()
+                diff = set(out) ^ set(hit[1]) if hit is not None else set(out)
+                self._bump(*(n if op == "list" else prefix + n for n in diff))
             self.lists[k] = (t, out)
             return out
 
@@ -303,7 +325,7 @@ class Relay:
                 pass  # the parent chain re-attaches; try again next round
             if hasattr(self.parent, "wait"):  # a relay above: long-poll it instead of polling
                 try:
-                    self._parent_gen = await self._up(self.parent.wait, self._parent_gen, 1.0)
+                    self._parent_gen = await self._up(self.parent.wait, self._parent_gen, 1.0, True)
                     continue
                 except OSError:
                     pass
@@ -329,6 +351,8 @@ class Relay:
     async def _auth(self, request: web.Request, handler):
         if request.path != "/health" and not self._authorized(request):
             return web.json_response({"error": "missing or wrong relay token"}, status=401)
+        kind = request.method if request.path.startswith("/o/") else request.path.lstrip("/")
+        self.stats["requests"][kind] = self.stats["requests"].get(kind, 0) + 1
         try:
             return await handler(request)
         except VerifyError as exc:
@@ -380,18 +404,27 @@ class Relay:
         self._listed(key)
         if keep:
             self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
-        else:
-            self._bump()
+        self._bump(key)
         return web.json_response({"created": True, "ok": True})
 
     def _hold(self, key: str, data: bytes, h: str) -> None:
-        """Cache a verified immutable object, learn a manifest's parts, wake the long-polls."""
+        """Cache a verified immutable object and learn a manifest's parts (the caller wakes the
+        long-polls if the key is news to them)."""
         self.missing.pop(key, None)
         self.cache.put(key, self._fault.at_rest(key, data), h)
         if "/rank-" in key and key.endswith(".json"):
             for p in json.loads(data).get("parts", []):
                 self.manifest_parts[p["key"]] = p
-        self._bump()
+
+    def _announced(self, key: str) -> bool:
+        """Is the key in a listing the watcher keeps (whose change woke the long-polls)? Then
+        holding it is no news: waiters saw it listed, and a GET waits for the fetch under way.
+        Waking them again cost every receiver a wait and a listing per part."""
+        for vd in {key.rsplit("/", 2)[0] if key.count("/") >= 2 else "", key.rsplit("/", 1)[0]}:
+            hit = self.lists.get(("list", vd))
+            if hit is not None and self._watched(("list", vd)) and key in hit[1]:
+                return True
+        return False
 
     def _listed(self, key: str) -> None:
         """Add a key written through this relay to the cached listings that cover it (and note
@@ -410,14 +443,22 @@ class Relay:
         return web.json_response(await self.listing(op, request.query.get("prefix", "")))
 
     async def h_wait(self, request: web.Request) -> web.Response:
-        """Long-poll: answer once gen > the caller's (something new is here) or at the timeout."""
+        """Long-poll: answer once gen > the caller's (something new is here) or at the timeout.
+        With data=1 only new immutable objects count: receivers and relays below wait for parts,
+        manifests, records and decisions, and a fleet's acks and registrations (each one a
+        change) would otherwise wake every receiver once per receiver per version."""
         known = int(request.query.get("gen", "0"))
         limit = min(float(request.query.get("timeout", "1")), 30.0)
-        if self.gen <= known:
+        data_only = request.query.get("data") == "1"
+        deadline = time.monotonic() + limit
+        while not self._news(known, data_only):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                await asyncio.wait_for(self._changed.wait(), limit)
+                await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
-                pass
+                break
         return web.json_response({"gen": self.gen})
 
     async def h_stats(self, request: web.Request) -> web.Response:

@@ -94,9 +94,13 @@ class RelayStore:
     def delete_prefix(self, prefix: str) -> list[str]:
         raise StoreError("relays do not delete: run gc against the origin store")
 
-    def wait(self, token: int, limit: float) -> int:
-        """Long-poll: return once the relay holds something newer than `token` (or after limit s)."""
-        r = self._req("GET", "/wait", fields={"gen": str(token), "timeout": f"{limit:.3f}"})
+    def wait(self, token: int, limit: float, data_only: bool = False) -> int:
+        """Long-poll: return once the relay holds something newer than `token` (data_only: a
+        new immutable object, not an ack or a registration), or after limit s."""
+        fields = {"gen": str(token), "timeout": f"{limit:.3f}"}
+        if data_only:
+            fields["data"] = "1"
+        r = self._req("GET", "/wait", fields=fields)
         return int(json.loads(r.data)["gen"])
 
     def health(self) -> dict:
@@ -184,12 +188,12 @@ class FailoverStore:
     def put_if_absent(self, key, data):
         return self._call("put_if_absent", key, data)
 
-    def wait(self, token: int, limit: float) -> int:
+    def wait(self, token: int, limit: float, data_only: bool = False) -> int:
         from nemo_dcr_callback.transport.store import wait_change
 
         i = self.i
         try:
-            return wait_change(self.stores[i], token, 0.005, limit)
+            return wait_change(self.stores[i], token, 0.005, limit, data_only)
         except StoreError as exc:
             self._advance(i, exc)
             return 0  # a token of the store now in use

@@ -102,15 +102,16 @@ class FileStore:
                       if p.is_file() and not p.name.endswith(".part"))
 
 
-def wait_change(store, token: int, poll: float, limit: float = 1.0) -> int:
+def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: bool = False) -> int:
     """Pause until the store may have changed. A relay long-polls (returns as soon as it has
-    something new, so a fleet of receivers does not busy-poll it); other stores sleep `poll`.
+    something new, so a fleet of receivers does not busy-poll it; data_only: only a new part,
+    manifest, record or decision counts, not acks or registrations); other stores sleep `poll`.
     Pass back the returned token next time (start with 0)."""
     w = getattr(store, "wait", None)
     if w is None:
         time.sleep(poll)
         return token
-    return w(token, limit)
+    return w(token, limit, data_only) if data_only else w(token, limit)
 
 
 def open_store(url: str):
