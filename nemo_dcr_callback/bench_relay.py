@@ -49,6 +49,7 @@ def receiver_main(args: list[str]) -> int:
 
     from nemo_dcr_callback import codec
     from nemo_dcr_callback.receiver import Follower
+    from nemo_dcr_callback.receiver.follow import APPLY_MODES
     from nemo_dcr_callback.transport.store import open_store
 
     ap = argparse.ArgumentParser()
@@ -57,7 +58,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, default=0)
     ap.add_argument("--id", required=True)
-    ap.add_argument("--apply", choices=["early", "late"], default="late")
+    ap.add_argument("--apply", choices=["early", "sealed", "late"], default="late")
     a = ap.parse_args(args)
     torch.set_num_threads(1)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
@@ -67,7 +68,7 @@ def receiver_main(args: list[str]) -> int:
 
     if a.versions:  # DCR: follow the store (or relay chain), then report the bits held
         store = open_store(a.url)
-        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, early=a.apply == "early")
+        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, early=APPLY_MODES[a.apply])
         out({"ready": True, "cpu_s": time.process_time()})
         f.follow(until=a.versions, timeout=600, on_apply=lambda x: out(
             {"version": x.version, "t_applied": time.time(), "fetch_s": x.fetch_s, "apply_s": x.apply_s,

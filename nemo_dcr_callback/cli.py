@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
     br.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
     br.add_argument("--part-bytes", type=_positive, default=1 << 20)
+    br.add_argument("--repeats", type=_positive, default=3,
+                    help="versions per change rate; the table shows each rate's median version")
+    br.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed",
+                    help="the receiver applies the parts it holds once the version is sealed (sealed, the "
+                         "default), parts as they arrive (early), or everything after the commit (late)")
     br.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
 
     bl = bsub.add_parser("relay", help="fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)")
@@ -123,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which to run, comma-separated (the 1.3x ratio needs dcr-relay and dcr-relay-1; "
                          "loopback: one relay's serving rate)")
     bl.add_argument("--versions", type=_positive, default=3, help="versions per DCR scenario")
-    bl.add_argument("--apply", choices=["early", "late"], default="late",
-                    help="receivers apply after the commit (late, the default) or parts as they arrive (early)")
+    bl.add_argument("--apply", choices=["early", "sealed", "late"], default="late",
+                    help="receivers apply after the commit (late, the default), parts as they arrive (early), "
+                         "or the parts held once the version is sealed (sealed)")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench" and args.bench == "refit":
             from nemo_dcr_callback import bench_refit
             bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
-                            json_path=args.json)
+                            json_path=args.json, apply=args.apply, repeats=args.repeats)
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,

@@ -151,15 +151,20 @@ def read_jsons(store, keys: list[str]) -> list:
 class RankWriter:
     """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
     each part is uploaded as soon as it is full (concurrently where the store can), and the
-    manifest goes last, so a manifest always names complete, checksummed parts. The first
-    part is a quarter of the size (at least 64 KiB), so bytes start crossing the link after a
-    quarter of the encoding work a full part would take."""
+    manifest goes last, so a manifest always names complete, checksummed parts. Parts ramp up:
+    the first is a sixteenth of the size (at least 64 KiB), each next one twice the last, up
+    to part_bytes, so bytes start crossing the link after a sixteenth of the encoding work a
+    full part would take, and the link is not left idle while the next part is encoded (where
+    the encoder runs at about the link's rate, a full second part left it idle for most of
+    that part's encoding). bench refit at 1%: median 0.77 s with a quarter-size first part
+    and full parts after it, 0.70-0.74 s with the ramp (and FETCH_LANES)."""
 
     def __init__(self, store, v: int, base: int, rank: int, world: int, part_bytes: int = 4 << 20,
                  max_inflight: int = 8):
         self.store, self.v, self.base, self.rank, self.world = store, v, base, rank, world
         self.part_bytes, self.max_inflight = part_bytes, max_inflight
-        self.first_part_bytes = min(part_bytes, max(64 << 10, part_bytes // 4))
+        self.first_part_bytes = min(part_bytes, max(64 << 10, part_bytes // 16))
+        self._next_bytes = self.first_part_bytes  # the size the part being filled is sent at
         self.parts: list[PartRef] = []
         self._buf: list[bytes] = []
         self._size = 0
@@ -168,8 +173,9 @@ class RankWriter:
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)
         self._size += len(chunk)
-        if self._size >= (self.part_bytes if self.parts else self.first_part_bytes):
+        if self._size >= self._next_bytes:
             self._flush_part()
+            self._next_bytes = min(self.part_bytes, 2 * self._next_bytes)
 
     def _flush_part(self) -> None:
         if not self._buf:

@@ -187,14 +187,15 @@ def test_bits_drifting_after_start_caught_by_the_apply_check(tmp_path):
     assert f.version == 1
 
 
-def test_first_part_is_a_quarter_size(tmp_path):
-    """Bytes start crossing the link after a quarter of a full part's encoding; later parts are
-    full size; the manifest names them all."""
+def test_parts_ramp_up_from_a_sixteenth(tmp_path):
+    """Bytes start crossing the link after a sixteenth of a full part's encoding; each next
+    part is twice the last, up to full size; the manifest names them all."""
     store = FileStore(tmp_path)
-    w = commit.RankWriter(store, 1, 0, 0, 1, part_bytes=256 << 10)
-    for _ in range(40):
-        w.add(b"x" * (16 << 10))
+    w = commit.RankWriter(store, 1, 0, 0, 1, part_bytes=2 << 20)
+    for _ in range(100):
+        w.add(b"x" * (64 << 10))
     m = w.finish(0, 0, {})
-    sizes = [p["bytes"] for p in m["parts"]]
-    assert sizes[0] == 64 << 10 and all(s == 256 << 10 for s in sizes[1:-1]) and sum(sizes) == 40 * (16 << 10)
+    sizes = [p["bytes"] >> 10 for p in m["parts"]]
+    assert sizes[:5] == [128, 256, 512, 1024, 2048] and all(s == 2048 for s in sizes[5:-1])
+    assert sum(sizes) == 100 * 64
     assert [k for k in store.list(commit.vdir(1)) if k.endswith(".dcr")] == [p["key"] for p in m["parts"]]

@@ -140,17 +140,18 @@ def test_multi_rank_round_trip_with_acks(store):
     assert {r["version"] for r in commit.receivers(store).values()} == {1}
 
 
-@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("early", [True, False, "sealed"])
 def test_receiver_streams_a_version_while_it_is_written(store, early):
     """Parts are fetched and decoded before the sender has finished the version; with early
-    apply they are also applied in place as they arrive, otherwise nothing is applied yet."""
+    apply they are also applied in place as they arrive, otherwise (and with early="sealed",
+    which waits for the seal) nothing is applied yet."""
     states = _states(1)
     s = TensorSender(states[0])
     for n in s.tensors:
         s.tensors[n] = states[1][n]
     tensors = {k: t.clone() for k, t in states[0].items()}
     f = Follower(store, tensors, early=early)
-    assert f.early == early
+    assert f.early == bool(early)
     seen, applied = [], []
 
     def after_chunk():
@@ -171,7 +172,7 @@ def test_receiver_streams_a_version_while_it_is_written(store, early):
 
     m = s.write(store, 1, 0, s.take(), part_bytes=1, after_chunk=after_chunk)  # one part per chunk
     assert seen[0] >= 1 and seen == sorted(seen) and seen[-1] == len(m["parts"]) > 1
-    assert applied == (seen if early else [0] * len(seen))
+    assert applied == (seen if early is True else [0] * len(seen))
     commit.run_commit(store, commit.seal_version(store, 1, 0, 1), commit.CommitPolicy())
     f.poll()
     assert f.version == 1 and _same(tensors, states[1])
@@ -211,6 +212,30 @@ def test_early_apply_undone_on_abort(store):
     assert f.poll() == [] and f.version == 0 and 1 not in f._parts
     assert _same(tensors, states[0])
     assert rec["version"] == 1
+
+
+def test_sealed_apply_before_the_decision_undone_on_abort(store):
+    """early="sealed": once the version is sealed the receiver applies what it holds, checks
+    the digests and acks, all before the decision; an abort then takes it all back exactly."""
+    import time
+
+    states = _states(1)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors, receiver_id="worker-0", early="sealed")
+    _stream_early(store, f, states[0], states[1])
+    assert not f._parts[1].applied and _same(tensors, states[0])  # streamed, not applied: not sealed
+    commit.seal_version(store, 1, 0, 1)
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(f.poll()))
+    th.start()
+    deadline = time.monotonic() + 20
+    while not commit.read_acks(store, 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert commit.read_acks(store, 1)["worker-0"]["ok"]
+    assert _same(tensors, states[1])  # applied (and its digests checked) before any decision
+    commit.decide(store, 1, 0, "abort", [], ["worker-0"], "test")
+    th.join(20)
+    assert out == [[]] and f.version == 0 and _same(tensors, states[0])
 
 
 def test_early_apply_undone_when_the_digests_fail(store):

@@ -14,17 +14,22 @@ own inverse; other ops keep the old bits), and the digests are checked before th
 in the design's receiver path (apply, verify, ack). So the apply overlaps the transfer
 instead of following the decision. Anything that then fails (a part against its manifest,
 a digest, an abort) is undone exactly before the version is dropped: the weights are back
-on the bits of the version held. Off by default: on a host whose CPUs the receiver shares
-with the senders and relays (this project's benchmarks), applying chunk by chunk during the
-transfer costs more CPU than the batched apply after the decision and slowed the refit.
+on the bits of the version held. `early="sealed"` waits until the version is sealed (the
+senders are done encoding) and then applies the parts held while the rest are still on the
+link: the apply hides in the transfer's tail without taking CPU from the encoders. Off by
+default: on a host whose CPUs the receiver shares with the senders and relays (this
+project's benchmarks), applying chunk by chunk during the transfer costs more CPU than the
+batched apply after the decision and slowed the refit; see docs/PROTOCOL.md for figures.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,9 @@ import xxhash
 from nemo_dcr_callback import codec, commit, digest
 from nemo_dcr_callback.delta import OP_OVERWRITE, OP_XOR, bits, scatter
 from nemo_dcr_callback.transport.store import StoreError, wait_change
+
+# The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).
+APPLY_MODES: dict[str, bool | str] = {"late": False, "sealed": "sealed", "early": True}
 
 
 @dataclass
@@ -48,12 +56,21 @@ class Applied:
     digest_checked: bool = False
 
 
+FETCH_LANES = 2  # parts of one version downloading at once
+
+
 class _Parts:
-    """Verified, decoded parts of one version, fetched as they appear."""
+    """Verified, decoded parts of one version, fetched as they appear: in order, a couple at a
+    time (FETCH_LANES). On a link-bound transfer every part fetched at once shares the link
+    and they all land together at the end, so their decoding (and an early apply) piled up
+    after the last byte; fetched in order they land one by one, and each is decoded while the
+    next is on the link. Two lanes: the next request is under way while a part streams."""
 
     def __init__(self):
         self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
         self.pending: dict[str, Future] = {}  # key -> a fetch running in the store's pool
+        self.queued: list[str] = []  # keys waiting for a lane
+        self.lock = threading.RLock()  # pending/queued: the pool's done-callbacks start queued fetches
         self.t0: float | None = None
         # early apply: the parts applied in place so far, each chunk's undo (None: XOR, its own
         # inverse; else the old bits) and the digest terms (before, after) per tensor
@@ -64,11 +81,34 @@ class _Parts:
     def harvest(self) -> None:
         """Keep the background fetches that finished; a failed one is dropped (fetched again,
         in the caller's thread, when the version is staged: its error is raised there)."""
-        for key, fut in list(self.pending.items()):
-            if fut.done():
-                del self.pending[key]
-                if fut.exception() is None:
-                    self.parts[key] = fut.result()[1:]
+        with self.lock:
+            for key, fut in list(self.pending.items()):
+                if fut.done():
+                    del self.pending[key]
+                    if fut.exception() is None:
+                        self.parts[key] = fut.result()[1:]
+
+    def fetch(self, keys: list[str], pool, fetch_one) -> None:
+        """Queue keys not yet held, under way or queued, and fill the free lanes."""
+        with self.lock:
+            self.queued += [k for k in keys if k not in self.parts and k not in self.pending and k not in self.queued]
+        self._pump(pool, fetch_one)
+
+    def _pump(self, pool, fetch_one) -> None:
+        with self.lock:
+            while self.queued and sum(not f.done() for f in self.pending.values()) < FETCH_LANES:
+                key = self.queued.pop(0)
+                fut = self.pending[key] = pool.submit(fetch_one, key)
+                fut.add_done_callback(lambda _f: self._pump(pool, fetch_one))
+
+    def waiting_for(self, keys: list[str]) -> tuple[set[Future], bool]:
+        """The fetches of keys under way, and whether any of keys is still queued."""
+        with self.lock:
+            return {self.pending[k] for k in keys if k in self.pending}, any(k in self.queued for k in keys)
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.queued.clear()
 
 
 class Follower:
@@ -81,7 +121,7 @@ class Follower:
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
                  decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None, early: bool = False, register_every_s: float = 30.0):
+                 journal: str | None = None, early: bool | str = False, register_every_s: float = 30.0):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
@@ -115,8 +155,11 @@ class Follower:
             self._check_held()
         # early apply needs in-place tensors with an exact undo and the digest check before the
         # ack; journaled weights, loaders and checkpoint directories apply after the decision
-        self.early = early and self.journal is None and self.digests is not None and isinstance(
+        if early not in (False, True, "sealed"):
+            raise ValueError(f"early must be False, True or 'sealed', not {early!r}")
+        self.early = bool(early) and self.journal is None and self.digests is not None and isinstance(
             self.target, StateDictTarget)
+        self.early_sealed_only = early == "sealed"
         # The registration (liveness, and the version held, which gc keeps) is refreshed after
         # an apply at most every register_every_s: a write per version per receiver is load on
         # the relays and the store that a fleet multiplies, and it was on the refit's path.
@@ -169,16 +212,18 @@ class Follower:
         new = [k for k in keys if k not in st.parts and k not in st.pending]
         if new and st.t0 is None:
             st.t0 = time.perf_counter()
-        if pool is not None:  # start the ones not yet under way before waiting for any
-            for key in new:
-                st.pending[key] = pool().submit(self._fetch_one, key)
-        for key in keys:
-            fut = st.pending.get(key)
-            if fut is not None:
-                try:
-                    fut.result()
-                except Exception:  # noqa: BLE001 - fetched again below, where its error is raised
-                    pass
+        if pool is not None:  # queue the ones not yet under way, then wait for each in turn
+            st.fetch(new, pool(), self._fetch_one)
+            while True:  # (a failed fetch is fetched again below, where its error is raised)
+                futs, queued = st.waiting_for(keys)
+                if not futs and not queued:
+                    break
+                if futs:
+                    futures_wait(futs, return_when=FIRST_COMPLETED)
+                else:  # queued behind fetches of other keys: give them a moment
+                    time.sleep(0.001)
+                self._apply_early(v, sealed=True)  # the version is sealed: apply what is here meanwhile
+                st.harvest()
         st.harvest()
         for key in [k for k in keys if k not in st.parts]:  # no pool, or a background fetch failed
             _, n, h, dec = self._fetch_one(key)
@@ -200,9 +245,7 @@ class Follower:
             return
         if st.t0 is None:
             st.t0 = time.perf_counter()
-        pool = self.store.executor()
-        for key in keys:
-            st.pending[key] = pool.submit(self._fetch_one, key)
+        st.fetch(keys, self.store.executor(), self._fetch_one)
 
     def stage(self, v: int, rec: commit.VersionRecord) -> list[codec.DecodedChunk]:
         """Every chunk of sealed version v, verified against the manifests, decoded."""
@@ -239,7 +282,8 @@ class Follower:
         follow the version held and not have been refused; sealed: its record's base is the
         version held (checked by stage). Returns whether the parts were applied."""
         st = self._parts.get(v)
-        if not self.early or st is None or not (sealed or (v == self.version + 1 and v not in self.refused)):
+        if not self.early or st is None or not (sealed or (v == self.version + 1 and v not in self.refused
+                                                           and not self.early_sealed_only)):
             return False
         st.harvest()
         for key, (_, _, dec) in list(st.parts.items()):
@@ -270,6 +314,8 @@ class Follower:
     def _drop(self, v: int) -> None:
         """Forget version v's parts (refetched if needed again), undoing any applied early."""
         st = self._parts.pop(v, None)
+        if st is not None:
+            st.cancel()
         if st is not None and st.undo:
             self._undo(st)
 
