@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--until", type=int, default=None, help="stop after this version")
     rc.add_argument("--verify", action="store_true", help="compare each version with its dense export")
     rc.add_argument("--timeout", type=float, default=600.0)
+    rc.add_argument("--fetch-lanes", type=_positive, default=2,
+                    help="parts of a version downloading at once (more for a store far away: a link with "
+                         "a large bandwidth-delay product)")
     rc.add_argument("--apply", choices=["loader", "direct"], default="loader",
                     help="place changes through the model's own loader (default) or write tensors directly")
 
@@ -364,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             args.store = _receive_store(args)
             if args.model_dir:
                 return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
-                                       receiver_id=args.id)
+                                       receiver_id=args.id, fetch_lanes=args.fetch_lanes)
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
-                               args.apply, receiver_id=args.id)
+                               args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes)
         elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

@@ -105,12 +105,15 @@ def _load(path: Path) -> ctypes.CDLL:
 def native() -> ctypes.CDLL | None:
     """The compiled library, building it on first use if needed; None if unavailable.
 
-    NEMO_DCR_NATIVE=0 forces the pure-torch reference path (used by tests to compare).
+    NEMO_DCR_NATIVE=0 forces the pure-torch reference path (used by tests to compare); it is
+    read until the library is loaded, so set it before the first kernel call.
     """
     global _lib, _tried
+    if _lib is not None:  # the hot path: the codec asks once per stream
+        return _lib
     if os.environ.get("NEMO_DCR_NATIVE", "1") == "0":
         return None
-    if _lib is not None or _tried:
+    if _tried:
         return _lib
     with _lock:
         if _tried:

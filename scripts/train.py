@@ -47,7 +47,8 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"trainer.cls must be lightning or nemo, not {cfg.trainer.cls!r}")
     trainer = trainer_cls(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps,
                         max_epochs=1, callbacks=callbacks, default_root_dir=run_dir,
-                        logger=CSVLogger(run_dir, name="logs"), enable_checkpointing=False,
+                        logger=CSVLogger(run_dir, name="logs") if int(os.environ.get("RANK", "0")) == 0 else False,
+                        enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__}", flush=True)

@@ -56,7 +56,7 @@ class Applied:
     digest_checked: bool = False
 
 
-FETCH_LANES = 2  # parts of one version downloading at once
+FETCH_LANES = 2  # parts of one version downloading at once (Follower's fetch_lanes)
 
 
 class _Parts:
@@ -64,9 +64,12 @@ class _Parts:
     time (FETCH_LANES). On a link-bound transfer every part fetched at once shares the link
     and they all land together at the end, so their decoding (and an early apply) piled up
     after the last byte; fetched in order they land one by one, and each is decoded while the
-    next is on the link. Two lanes: the next request is under way while a part streams."""
+    next is on the link. Two lanes: the next request is under way while a part streams. A
+    link with a large bandwidth-delay product (S3 in another region, tens of ms away) needs
+    more parts in flight to fill it: Follower(fetch_lanes=...)."""
 
-    def __init__(self):
+    def __init__(self, lanes: int = FETCH_LANES):
+        self.lanes = lanes
         self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
         self.pending: dict[str, Future] = {}  # key -> a fetch running in the store's pool
         self.queued: list[str] = []  # keys waiting for a lane
@@ -96,7 +99,7 @@ class _Parts:
 
     def _pump(self, pool, fetch_one) -> None:
         with self.lock:
-            while self.queued and sum(not f.done() for f in self.pending.values()) < FETCH_LANES:
+            while self.queued and sum(not f.done() for f in self.pending.values()) < self.lanes:
                 key = self.queued.pop(0)
                 fut = self.pending[key] = pool.submit(fetch_one, key)
                 fut.add_done_callback(lambda _f: self._pump(pool, fetch_one))
@@ -121,7 +124,8 @@ class Follower:
 
     def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
                  decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None, early: bool | str = False, register_every_s: float = 30.0):
+                 journal: str | None = None, early: bool | str = False, register_every_s: float = 30.0,
+                 fetch_lanes: int = FETCH_LANES):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
         self.store = store
@@ -164,6 +168,9 @@ class Follower:
         # an apply at most every register_every_s: a write per version per receiver is load on
         # the relays and the store that a fleet multiplies, and it was on the refit's path.
         self.register_every_s = register_every_s
+        if fetch_lanes < 1:
+            raise ValueError("fetch_lanes must be >= 1")
+        self.fetch_lanes = fetch_lanes
         self._registered_at = time.monotonic()
         if receiver_id:
             commit.register(store, receiver_id, version)
@@ -206,7 +213,7 @@ class Follower:
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
         """Every part of `keys` held: waits for the ones fetching in the background, fetches
         the rest (concurrently where the store can)."""
-        st = self._parts.setdefault(v, _Parts())
+        st = self._parts.setdefault(v, _Parts(self.fetch_lanes))
         st.harvest()
         pool = getattr(self.store, "executor", None)
         new = [k for k in keys if k not in st.parts and k not in st.pending]
@@ -234,7 +241,7 @@ class Follower:
         and return: where the store has a thread pool the fetches run there, so the next part's
         download is already under way while this thread lists again (the link never idles
         between parts). Results are kept only once they are verified and decoded."""
-        st = self._parts.setdefault(v, _Parts())
+        st = self._parts.setdefault(v, _Parts(self.fetch_lanes))
         st.harvest()
         listing = self.store.list(commit.vdir(v)) if listing is None else listing
         keys = [k for k in listing if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
