@@ -3,15 +3,21 @@
 Runs scripts/train.py under torchrun (the demo model by default, TP 2 x PP 2 on CPU) with the
 default callback config and with `trainer.callbacks=[]`, alternating A/B runs, and compares
 the median wall time per step (the module logs `step_ms`: one step's start to the next's,
-so the callback's work and its background thread's contention are included).
+so the callback's work and its background thread's contention are included). While each
+run trains it reads /proc for the CPU of the trainers and of the callback's workers and the
+host's idle CPU, per step: on a host the training keeps busy, the overhead is the callback's
+CPU, and this shows whether the workers' share came from idle time or from the training.
 """
 
 from __future__ import annotations
 
 import csv
+import os
+import shutil
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from nemo_dcr_callback.launch import torchrun_cmd
@@ -20,17 +26,68 @@ from nemo_dcr_callback.results import write_json
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
 
-def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) -> list[float]:
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu(root: int) -> dict[int, tuple[float, str]]:
+    """CPU-s so far and a role (trainer, worker, other) of every process under root (/proc)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        role = ("worker" if "multiprocessing" in cmd else
+                "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other")
+        out[pid] = ((int(f[11]) + int(f[12])) / _HZ, role)
+    return out
+
+
+def _host_idle_s() -> float:
+    v = open("/proc/stat").readline().split()[1:]
+    return (int(v[3]) + int(v[4])) / _HZ
+
+
+def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) -> tuple[list[float], dict]:
+    """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
+    CPU) over the middle of the run, read from /proc while it trains."""
     run_dir = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead."))
     cmd = torchrun_cmd(tp * pp, [str(SCRIPT), f"parallel.tensor_model_parallel_size={tp}",
                                  f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}",
                                  f"hydra.run.dir={run_dir}", *([] if with_callback else ["trainer.callbacks=[]"]),
                                  *extra])
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    log = open(run_dir / "launch.log", "w+")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    samples = []
+    while p.poll() is None:
+        samples.append((time.monotonic(), _host_idle_s(), _tree_cpu(p.pid)))
+        time.sleep(0.25)
     if p.returncode != 0:
-        raise RuntimeError(p.stdout[-2000:] + p.stderr[-2000:])
+        log.seek(0)
+        raise RuntimeError(log.read()[-4000:])
     rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
-    return [float(r["step_ms"]) for r in rows if r.get("step_ms")]
+    times = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
+    cpu: dict[str, float] = {}
+    if len(samples) > 8:  # the training part of the run (start-up is imports and model building)
+        a, b = samples[int(len(samples) * 0.55)], samples[int(len(samples) * 0.9)]
+        per_step = statistics.median(times) / 1e3 / (b[0] - a[0])  # seconds of this window -> steps
+        for pid, (c, role) in b[2].items():
+            if pid in a[2]:
+                cpu[role] = cpu.get(role, 0.0) + 1e3 * (c - a[2][pid][0]) * per_step
+        cpu["host_idle"] = 1e3 * (b[1] - a[1]) * per_step
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return times, cpu
 
 
 def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int = 3, json_path: str | None = None,
@@ -38,18 +95,31 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
     extra = extra or []
     with_cb: list[float] = []
     without: list[float] = []
+    cpu: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(pairs):
         for cb in (True, False) if i % 2 == 0 else (False, True):
             print(f"nemo-dcr bench overhead: {'with' if cb else 'without'} the callback ...", flush=True)
-            times = _run(tp, pp, steps, cb, extra)[warmup:]
-            (with_cb if cb else without).extend(times)
+            times, c = _run(tp, pp, steps, cb, extra)
+            (with_cb if cb else without).extend(times[warmup:])
+            cpu[cb].append(c)
     a, b = statistics.median(with_cb), statistics.median(without)
+
+    def med(cb: bool) -> dict[str, float]:  # CPU ms per step by role, median over the runs
+        keys = {k for c in cpu[cb] for k in c}
+        return {k: statistics.median(c.get(k, 0.0) for c in cpu[cb]) for k in sorted(keys) if k != "other"}
+
     out = {"benchmark": "overhead", "tp": tp, "pp": pp, "steps": steps, "pairs": pairs, "extra": extra,
            "median_step_ms_with": a, "median_step_ms_without": b, "overhead": a / b - 1,
-           "samples_with": len(with_cb), "samples_without": len(without), "target": 0.05}
+           "samples_with": len(with_cb), "samples_without": len(without), "target": 0.05,
+           "cpu_ms_per_step_with": med(True), "cpu_ms_per_step_without": med(False),
+           "machine": f"{os.cpu_count()} cores"}
     print(f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {b:15.1f}\n{'with callback':>18} {a:15.1f}\n"
           f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(with_cb)}/{len(without)} steps, "
           f"TP {tp} x PP {pp} on CPU")
+    for cb in (False, True):
+        m = med(cb)
+        print(f"CPU per step {'with' if cb else 'without'} the callback (ms, median of runs): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in m.items()))
     if json_path:
         write_json(json_path, out)
     return out
