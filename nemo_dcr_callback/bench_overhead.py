@@ -20,43 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from nemo_dcr_callback import procstat
 from nemo_dcr_callback.launch import torchrun_cmd
 from nemo_dcr_callback.results import write_json
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
 
-_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _tree_cpu(root: int) -> dict[int, tuple[float, str]]:
-    """CPU-s so far and a role (trainer, worker, other) of every process under root (/proc)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        todo += kids.get(pid, [])
-        try:
-            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            cmd = open(f"/proc/{pid}/cmdline").read()
-        except OSError:
-            continue
-        role = ("worker" if "multiprocessing" in cmd else
-                "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other")
-        out[pid] = ((int(f[11]) + int(f[12])) / _HZ, role)
-    return out
-
-
-def _host_idle_s() -> float:
-    v = open("/proc/stat").readline().split()[1:]
-    return (int(v[3]) + int(v[4])) / _HZ
+def _role(cmd: str) -> str:
+    """A launched process's part: a training rank, the callback's worker, or anything else."""
+    if "multiprocessing" in cmd:
+        return "worker"
+    return "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other"
 
 
 def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) -> tuple[list[float], dict]:
@@ -67,23 +42,24 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) ->
                                  f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}",
                                  f"hydra.run.dir={run_dir}", *([] if with_callback else ["trainer.callbacks=[]"]),
                                  *extra])
-    log = open(run_dir / "launch.log", "w+")
-    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    samples = []
-    while p.poll() is None:
-        samples.append((time.monotonic(), _host_idle_s(), _tree_cpu(p.pid)))
-        time.sleep(0.25)
-    if p.returncode != 0:
-        log.seek(0)
-        raise RuntimeError(log.read()[-4000:])
+    with open(run_dir / "launch.log", "w+") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        samples = []
+        while p.poll() is None:
+            samples.append((time.monotonic(), procstat.host_idle_s(), procstat.tree(p.pid)))
+            time.sleep(0.25)
+        if p.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(log.read()[-4000:])
     rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
     times = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
     cpu: dict[str, float] = {}
     if len(samples) > 8:  # the training part of the run (start-up is imports and model building)
         a, b = samples[int(len(samples) * 0.55)], samples[int(len(samples) * 0.9)]
         per_step = statistics.median(times) / 1e3 / (b[0] - a[0])  # seconds of this window -> steps
-        for pid, (c, role) in b[2].items():
+        for pid, (c, cmd) in b[2].items():
             if pid in a[2]:
+                role = _role(cmd)
                 cpu[role] = cpu.get(role, 0.0) + 1e3 * (c - a[2][pid][0]) * per_step
         cpu["host_idle"] = 1e3 * (b[1] - a[1]) * per_step
     shutil.rmtree(run_dir, ignore_errors=True)

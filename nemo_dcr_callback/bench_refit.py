@@ -127,7 +127,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, required=True)
-    ap.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed")
+    ap.add_argument("--apply", choices=list(APPLY_MODES), default="sealed")
     a = ap.parse_args(args)
     torch.set_num_threads(2)
     store = open_store(a.url)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback.bench_refit import JsonProc, ShapedLink
+from nemo_dcr_callback.procstat import cpu_s, host_busy_s
 from nemo_dcr_callback.results import write_json
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
@@ -58,7 +59,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, default=0)
     ap.add_argument("--id", required=True)
-    ap.add_argument("--apply", choices=["early", "sealed", "late"], default="late")
+    ap.add_argument("--apply", choices=list(APPLY_MODES), default="late")
     a = ap.parse_args(args)
     torch.set_num_threads(1)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
@@ -162,11 +163,11 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
                                    text=True) for _ in range(clients)]
             while time.time() < start:
                 time.sleep(0.001)
-            cpu0 = _cpu_s(proc.p.pid)
+            cpu0 = cpu_s(proc.p.pid)
             outs = [json.loads(c.communicate()[0]) for c in cs]
             total = sum(o["bytes"] for o in outs)
             wall = max(o["end"] for o in outs) - start
-            cpu = _cpu_s(proc.p.pid) - cpu0
+            cpu = cpu_s(proc.p.pid) - cpu0
             trials.append({"bytes": total, "wall_s": wall, "MB_per_s": total / wall / 1e6, "relay_cpu_s": cpu,
                            "relay_MB_per_cpu_s": total / max(cpu, 1e-9) / 1e6})
     finally:
@@ -174,18 +175,6 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
     med = statistics.median(t["MB_per_s"] for t in trials)
     return {"clients": clients, "part_bytes": part_mb << 20, "trials": trials, "MB_per_s": med,
             "relay_MB_per_cpu_s": statistics.median(t["relay_MB_per_cpu_s"] for t in trials)}
-
-
-def _host_busy_s() -> float:
-    """CPU seconds the whole machine spent busy (all cores, from /proc/stat)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (from /proc)."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ the run
@@ -262,16 +251,16 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                 procs += rx
                 before = {k: link.tx_rx() for k, link in links.items()}
                 rows = []
-                b0, w0 = _host_busy_s(), time.time()
+                b0, w0 = host_busy_s(), time.time()
                 time.sleep(2.0)  # everyone up and idle: what the waiting itself costs
-                idle = (_host_busy_s() - b0) / (time.time() - w0)
+                idle = (host_busy_s() - b0) / (time.time() - w0)
                 print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
                 sender = TensorSender(cur)
                 relays = procs[:len(procs) - len(rx)]
 
                 def cpu_now() -> dict[str, float]:  # CPU-s so far of each process but the receivers
-                    return {**{f"relay-{i}": _cpu_s(p.p.pid) for i, p in enumerate(relays)},
-                            "s3": _cpu_s(s3.proc.pid), "sender": time.process_time()}
+                    return {**{f"relay-{i}": cpu_s(p.p.pid) for i, p in enumerate(relays)},
+                            "s3": cpu_s(s3.proc.pid), "sender": time.process_time()}
 
                 def requests_now() -> dict[str, dict[str, int]]:  # requests each relay has served, by kind
                     from nemo_dcr_callback.transport.relay_store import RelayStore
@@ -284,7 +273,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     cur = policy.bf16()
                     t0 = time.time()
                     q0 = requests_now()
-                    busy0, c0 = _host_busy_s(), cpu_now()
+                    busy0, c0 = host_busy_s(), cpu_now()
                     sender.tensors = cur
                     taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
                     t_streamed = time.time() - t0
@@ -296,7 +285,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                         raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
                     sender.commit()
                     got = [r.next() for r in rx]
-                    host_busy, c1 = _host_busy_s() - busy0, cpu_now()
+                    host_busy, c1 = host_busy_s() - busy0, cpu_now()
                     cpu_by = {k: c1[k] - c0[k] for k in c0}
                     q1 = requests_now()
                     req_by = {r: {k: n - q0[r].get(k, 0) - (k == "stats") for k, n in q1[r].items()} for r in q0}

@@ -104,10 +104,13 @@ class _Parts:
                 fut = self.pending[key] = pool.submit(fetch_one, key)
                 fut.add_done_callback(lambda _f: self._pump(pool, fetch_one))
 
-    def waiting_for(self, keys: list[str]) -> tuple[set[Future], bool]:
-        """The fetches of keys under way, and whether any of keys is still queued."""
+    def in_flight(self, keys: list[str]) -> set[Future]:
+        """While any of keys is under way or queued, every fetch under way (one finishing
+        harvests a part or frees a lane for a queued one); empty once none of keys is."""
         with self.lock:
-            return {self.pending[k] for k in keys if k in self.pending}, any(k in self.queued for k in keys)
+            if any(k in self.pending or k in self.queued for k in keys):
+                return set(self.pending.values())
+            return set()
 
     def cancel(self) -> None:
         with self.lock:
@@ -221,14 +224,9 @@ class Follower:
             st.t0 = time.perf_counter()
         if pool is not None:  # queue the ones not yet under way, then wait for each in turn
             st.fetch(new, pool(), self._fetch_one)
-            while True:  # (a failed fetch is fetched again below, where its error is raised)
-                futs, queued = st.waiting_for(keys)
-                if not futs and not queued:
-                    break
-                if futs:
-                    futures_wait(futs, return_when=FIRST_COMPLETED)
-                else:  # queued behind fetches of other keys: give them a moment
-                    time.sleep(0.001)
+            # (a failed fetch is fetched again below, where its error is raised)
+            while futs := st.in_flight(keys):
+                futures_wait(futs, return_when=FIRST_COMPLETED)
                 self._apply_early(v, sealed=True)  # the version is sealed: apply what is here meanwhile
                 st.harvest()
         st.harvest()
@@ -323,8 +321,8 @@ class Follower:
         st = self._parts.pop(v, None)
         if st is not None:
             st.cancel()
-        if st is not None and st.undo:
-            self._undo(st)
+            if st.undo:
+                self._undo(st)
 
     # ------------------------------------------------------------ applying
     def _terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, int]:

@@ -284,14 +284,19 @@ class Relay:
 
         return await _single_flight(self.list_inflight, k, fetch_list)
 
-    def _known_absent(self, key: str) -> bool:
-        """A key of a watched version that the watcher's current listing does not have."""
+    def _watched_listing(self, key: str) -> list[str] | None:
+        """The watcher's current listing of the version folder that holds key, if it keeps one."""
         d = key.rsplit("/", 2)[0] if key.count("/") >= 2 else ""
         for vd in (d, key.rsplit("/", 1)[0]):
             hit = self.lists.get(("list", vd))
             if hit is not None and self._watched(("list", vd)):
-                return key not in hit[1]
-        return False
+                return hit[1]
+        return None
+
+    def _known_absent(self, key: str) -> bool:
+        """A key of a watched version that the watcher's current listing does not have."""
+        names = self._watched_listing(key)
+        return names is not None and key not in names
 
     async def watch(self) -> None:
         """Pull every new object of the newest versions as soon as the parent has it, parts in
@@ -420,11 +425,8 @@ class Relay:
         """Is the key in a listing the watcher keeps (whose change woke the long-polls)? Then
         holding it is no news: waiters saw it listed, and a GET waits for the fetch under way.
         Waking them again cost every receiver a wait and a listing per part."""
-        for vd in {key.rsplit("/", 2)[0] if key.count("/") >= 2 else "", key.rsplit("/", 1)[0]}:
-            hit = self.lists.get(("list", vd))
-            if hit is not None and self._watched(("list", vd)) and key in hit[1]:
-                return True
-        return False
+        names = self._watched_listing(key)
+        return names is not None and key in names
 
     def _listed(self, key: str) -> None:
         """Add a key written through this relay to the cached listings that cover it (and note

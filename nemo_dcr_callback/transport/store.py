@@ -111,7 +111,7 @@ def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: b
     if w is None:
         time.sleep(poll)
         return token
-    return w(token, limit, data_only) if data_only else w(token, limit)
+    return w(token, limit, data_only)
 
 
 def open_store(url: str):
