@@ -25,6 +25,7 @@ import torch
 import xxhash
 import zstandard
 
+from nemo_dcr_callback import digest, kernels
 from nemo_dcr_callback.delta import (
     BITS_DTYPE,
     OP_OVERWRITE,
@@ -244,6 +245,7 @@ def encode_chunk(
     gap_modes: tuple[GapMode, ...] | None = None,
     level: int = 1,
     exhaustive: bool = False,
+    terms: list[int] | None = None,
 ) -> bytes:
     """Encode the changes of tensor `name` in [lo, hi) as one chunk.
 
@@ -254,6 +256,10 @@ def encode_chunk(
     plus escaped values), layout TOKENS/PLANES (PLANES only when many values escape), gap
     coding GAP8/GAP16 (by mean gap, both tried in between); exhaustive=True encodes every
     value candidate and keeps the smallest. The choice is flagged in the header.
+    terms (XOR chunks with new_values): [old, new] digest sums (digest.py) of the changed
+    elements, added to in place, so a sender moves its digests without a second pass.
+    With the compiled library and the default candidates, an XOR chunk of floats takes the
+    fused path (dcr_encode_xor: one call for gaps, tokens, rANS and digest terms).
     """
     info = dtype_info(dtype)
     if not 0 <= lo <= hi <= numel:
@@ -276,15 +282,34 @@ def encode_chunk(
         mean_gap = (hi - lo) / max(count, 1)
         gap_cands = ((GapMode.GAP8,) if mean_gap < 512 else
                      (GapMode.GAP8, GapMode.GAP16) if mean_gap < 8192 else (GapMode.GAP16,))
+    if terms is not None and (kind != Kind.XOR or new_values is None):
+        raise ValueError("digest terms need an XOR chunk with its new values")
+    fused = None
+    lib = kernels.native()
+    if (lib is not None and kind == Kind.XOR and positions is not None and new_values is not None and count
+            and info.is_float and info.width > 1 and value_modes is None and layouts is None and not exhaustive
+            and GapMode.DENSE not in gap_cands):
+        fused = _fused_xor(lib, positions, vals, bits(new_values.contiguous()), lo, hi,
+                           GapMode.GAP8 in gap_cands, terms)
+    elif terms is not None and count:
+        nb = bits(new_values.contiguous())
+        pos64 = positions.to(torch.int64).numpy() if positions is not None else np.arange(lo, hi, dtype=np.int64)
+        terms[0] = (terms[0] + digest.sum64(nb ^ vals, pos64)) & digest.MASK
+        terms[1] = (terms[1] + digest.sum64(nb, pos64)) & digest.MASK
     gap_streams: list[tuple[int, bytes, int]] = []
     gm = gap_cands[0]
     for cand in gap_cands:
         if cand == GapMode.DENSE:
             break
-        raw = encode_gaps(positions, lo, hi, cand)
+        raw = fused[0] if fused is not None and cand == GapMode.GAP8 else encode_gaps(positions, lo, hi, cand)
         packed, codec = _pack_stream(raw, level)
         if not gap_streams or len(packed) < len(gap_streams[0][1]):
             gm, gap_streams = cand, [(raw.size, packed, codec)]
+    if fused is not None and fused[1] is not None:
+        _, vm, ans_b, esc = fused
+        epacked, ecodec = _pack_stream(esc, level)
+        return _assemble(name, kind, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
+                         gap_streams + [(count, ans_b, RANS), (esc.size, epacked, ecodec)])
 
     # Values: one pass makes the tokens of the likely coding (ULP for floats) and the
     # histograms of both, then the estimate decides.
@@ -309,8 +334,39 @@ def encode_chunk(
             if best is None or size < best[0]:
                 best = (size, vm, lay, st)
     _, vm, lay, val_streams = best
-    streams = gap_streams + val_streams
+    return _assemble(name, kind, info, gm, vm, lay, numel, lo, hi, count, gap_streams + val_streams)
 
+
+def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor, lo: int, hi: int,
+               gap8: bool, terms: list[int] | None):
+    """dcr_encode_xor: (GAP8 stream or None, value mode, token stream, escapes), with value
+    mode None when many values escape (the caller then codes the values the generic way;
+    the digest terms are added either way)."""
+    count, w = vals.numel(), vals.element_size()
+    gcap = gap_bound(GapMode.GAP8, count, hi - lo) if gap8 else 0
+    gaps = np.empty(gcap, dtype=np.uint8)
+    acap = lib.dcr_ans_bound(count)
+    ans = np.empty(acap, dtype=np.uint8)
+    esc = np.empty(count * w, dtype=np.uint8)
+    out = np.zeros(6, dtype=np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    rc = lib.dcr_encode_xor(positions.data_ptr(), int(positions.dtype == torch.int64), vals.data_ptr(),
+                            nv.data_ptr(), count, w, lo, hi, int(gap8), gaps.ctypes.data, gcap, ans.ctypes.data,
+                            acap, esc.ctypes.data, out.ctypes.data,
+                            0 if terms is None else out.ctypes.data + 32)
+    if rc not in (0, -10):
+        raise ValueError(f"positions not sorted within [{lo}, {hi}) ({rc})" if rc == -2 else f"fused encoder: {rc}")
+    if terms is not None:
+        sums = out[4:].view(np.uint64)
+        terms[0] = (terms[0] + int(sums[0])) & digest.MASK
+        terms[1] = (terms[1] + int(sums[1])) & digest.MASK
+    g = gaps[:out[0]] if gap8 else None
+    if rc == -10:
+        return g, None, None, None
+    return g, ValueMode(int(out[3])), ans[:out[1]].tobytes(), esc[:out[2] * w]
+
+
+def _assemble(name: str, kind: Kind, info: DType, gm: GapMode, vm: ValueMode, lay: Layout, numel: int, lo: int,
+              hi: int, count: int, streams: list[tuple[int, bytes, int]]) -> bytes:
     name_b = name.encode()
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, int(kind), info.code, int(gm), int(vm), int(lay),
                       len(name_b), numel, lo, hi, count, len(streams))
@@ -504,27 +560,29 @@ def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_
 def encode_sparse(name: str, kind: Kind, dtype: torch.dtype, numel: int, positions: torch.Tensor,
                   values: torch.Tensor, new_values: torch.Tensor | None = None, *,
                   span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
-                  value_modes: tuple[ValueMode, ...] | None = None) -> list[bytes]:
-    """Chunks for sorted positions of one tensor (split into ranges of `span` positions)."""
+                  value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None) -> list[bytes]:
+    """Chunks for sorted positions of one tensor (split into ranges of `span` positions);
+    terms as in encode_chunk."""
     out = []
     for lo, hi, s, e in split_ranges(positions, numel, span):
         if e > s:
             out.append(encode_chunk(name, kind, dtype, numel, lo, hi, positions[s:e], values[s:e],
                                     None if new_values is None else new_values[s:e],
-                                    value_modes=value_modes, level=level))
+                                    value_modes=value_modes, level=level, terms=terms))
     return out
 
 
 def encode_delta(name: str, delta: SparseDelta, new_tensor: torch.Tensor | None = None, *,
                  span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
-                 value_modes: tuple[ValueMode, ...] | None = None) -> list[bytes]:
+                 value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None) -> list[bytes]:
     """XOR chunks for one tensor's delta. The new values (for ulp coding) come from
-    delta.new, or are gathered from new_tensor (the tensor's new bits) if given."""
+    delta.new, or are gathered from new_tensor (the tensor's new bits) if given; terms as in
+    encode_chunk."""
     new = delta.new
     if new is None and new_tensor is not None:
         new = bits(new_tensor)[delta.positions.to(torch.int64)]
     return encode_sparse(name, Kind.XOR, delta.dtype, delta.numel, delta.positions, delta.xor, new,
-                         span=span, level=level, value_modes=value_modes)
+                         span=span, level=level, value_modes=value_modes, terms=terms)
 
 
 def encode_overwrite(name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None, *,

@@ -109,6 +109,12 @@ def update_xor(d: int, positions, new: torch.Tensor, xor: torch.Tensor) -> int:
     return update(d, positions, (bits(new) ^ bits(xor)).view(new.dtype), new)
 
 
+def move(d: int, terms: list[int]) -> int:
+    """The digest after changes whose [old, new] term sums are `terms` (codec.encode_chunk
+    adds them up while it encodes)."""
+    return (d - terms[0] + terms[1]) & MASK
+
+
 def update(d: int, positions, old: torch.Tensor, new: torch.Tensor) -> int:
     """The digest after the elements at `positions` went from `old` to `new`."""
     return (d - sum64(old, positions) + sum64(new, positions)) & MASK

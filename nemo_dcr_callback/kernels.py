@@ -45,6 +45,8 @@ _SIGNATURES = {
     "dcr_sum64": (ctypes.c_uint64, [c_void_p, c_int, c_void_p, c_i64, c_i64, c_int]),
     "dcr_sum64_at": (ctypes.c_uint64, [c_void_p, c_int, c_void_p, c_int, c_i64, c_int]),
     "dcr_scatter_digest": (c_i64, [c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_encode_xor": (c_i64, [c_void_p, c_int, c_void_p, c_void_p, c_i64, c_int, c_i64, c_i64, c_int, c_void_p,
+                               c_i64, c_void_p, c_i64, c_void_p, c_void_p, c_void_p]),
 }
 
 

@@ -135,14 +135,17 @@ class ShardSender:
                 xor = torch.cat([d.xor[a:b] for a, b in pr.parts])
                 new = torch.cat([d.new[a:b] for a, b in pr.parts])
                 numel = self.placement.numel(pr.name)
-                if digests is not None:
-                    digests[pr.name] = digest.update_xor(digests.get(pr.name, 0), pr.positions, new, xor)
                 if pm.residual:
+                    if digests is not None:
+                        digests[pr.name] = digest.update_xor(digests.get(pr.name, 0), pr.positions, new, xor)
                     out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
                                               span=self.span, level=self.level)
-                else:
+                else:  # the encoder adds the changes' digest terms as it goes (no second pass)
+                    terms = None if digests is None else [0, 0]
                     out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
-                                              span=self.span, level=self.level)
+                                              span=self.span, level=self.level, terms=terms)
+                    if terms is not None:
+                        digests[pr.name] = digest.move(digests.get(pr.name, 0), terms)
                 st.chunks += len(out)
                 st.bytes += sum(map(len, out))
                 if emit is None:
@@ -245,11 +248,12 @@ class TensorSender:
             params += d.numel
             changed += d.count
             if d.count:
-                dig[n] = digest.update_xor(dig[n], d.positions.numpy().astype(np.int64), d.new, d.xor)
-                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level):
+                terms = [0, 0]
+                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms):
                     w.add(c)
                     if after_chunk is not None:
                         after_chunk()
+                dig[n] = digest.move(dig[n], terms)
         m = w.finish(params, changed, dig)
         self._pending = dig
         return m

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -322,6 +323,51 @@ inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
   x = x + e.bias + q * e.cmpl_freq;
 }
 
+// rANS of n symbols sym(i) whose histogram is hist (counted by the caller: the fused encoder
+// has it from its first pass).
+template <class Sym>
+int64_t ans_encode_with(const uint64_t* hist, int64_t n, Sym&& sym, uint8_t* out, int64_t cap) {
+  if (cap < 32 + 512 + 8 * kStates + n + n / 2 + 64) return -1;
+  uint32_t freq[256];
+  int64_t k = 32;
+  std::memset(out, 0, 32);
+  if (n == 0) {
+    std::memset(out + k, 0, 8 * kStates);
+    return k + 8 * kStates;
+  }
+  normalize_freqs(hist, freq);
+  EncSym es[256];
+  uint32_t cum = 0;
+  for (int s = 0; s < 256; ++s) {
+    if (freq[s]) {
+      out[s >> 3] |= uint8_t(1u << (s & 7));
+      out[k++] = static_cast<uint8_t>(freq[s] & 0xff);
+      out[k++] = static_cast<uint8_t>(freq[s] >> 8);
+      enc_init(es[s], cum, freq[s]);
+    }
+    cum += freq[s];
+  }
+  // rANS is LIFO: encode backwards into a word buffer, then copy behind the table.
+  std::vector<uint32_t> words(static_cast<size_t>(n / 2 + 16));
+  uint32_t* end = words.data() + words.size();
+  uint32_t* ptr = end;
+  uint64_t x[kStates];
+  for (auto& v : x) v = kRansL;
+  for (int64_t i = n - 1; i >= 0 && (i % kStates) != kStates - 1; --i) enc_put(x[i % kStates], ptr, es[sym(i)]);
+  for (int64_t i = (n / kStates) * kStates - 1; i >= 0; i -= kStates) {
+    enc_put(x[3], ptr, es[sym(i)]);
+    enc_put(x[2], ptr, es[sym(i - 1)]);
+    enc_put(x[1], ptr, es[sym(i - 2)]);
+    enc_put(x[0], ptr, es[sym(i - 3)]);
+  }
+  for (int j = 0; j < kStates; ++j)
+    for (int b = 0; b < 8; ++b) out[k++] = static_cast<uint8_t>(x[j] >> (8 * b));
+  int64_t body = (end - ptr) * 4;
+  if (k + body > cap) return -1;
+  std::memcpy(out + k, ptr, body);  // little-endian host (x86-64, aarch64)
+  return k + body;
+}
+
 // ---------------------------------------------------------------- gap decoding
 // One gap from a symbol reader sym(k), k < m: escape symbols (esc = "add esc, go on") then
 // the remainder. Returns the gap, or -1 (stream ends) / -2 (beyond hi: bounds hostile runs).
@@ -489,47 +535,9 @@ int64_t dcr_ans_bound(int64_t n) { return 32 + 512 + 8 * kStates + n + n / 2 + 6
 
 // Order-0 rANS of n bytes. Returns the stream length, or -1 if cap is too small.
 int64_t dcr_ans_encode(const uint8_t* sym, int64_t n, uint8_t* out, int64_t cap) {
-  if (cap < dcr_ans_bound(n)) return -1;
   uint64_t hist[256] = {0};
   for (int64_t i = 0; i < n; ++i) hist[sym[i]]++;
-  uint32_t freq[256];
-  int64_t k = 32;
-  std::memset(out, 0, 32);
-  if (n == 0) {
-    std::memset(out + k, 0, 8 * kStates);
-    return k + 8 * kStates;
-  }
-  normalize_freqs(hist, freq);
-  EncSym es[256];
-  uint32_t cum = 0;
-  for (int s = 0; s < 256; ++s) {
-    if (freq[s]) {
-      out[s >> 3] |= uint8_t(1u << (s & 7));
-      out[k++] = static_cast<uint8_t>(freq[s] & 0xff);
-      out[k++] = static_cast<uint8_t>(freq[s] >> 8);
-      enc_init(es[s], cum, freq[s]);
-    }
-    cum += freq[s];
-  }
-  // rANS is LIFO: encode backwards into a word buffer, then copy behind the table.
-  std::vector<uint32_t> words(static_cast<size_t>(n / 2 + 16));
-  uint32_t* end = words.data() + words.size();
-  uint32_t* ptr = end;
-  uint64_t x[kStates];
-  for (auto& v : x) v = kRansL;
-  for (int64_t i = n - 1; i >= 0 && (i % kStates) != kStates - 1; --i) enc_put(x[i % kStates], ptr, es[sym[i]]);
-  for (int64_t i = (n / kStates) * kStates - 1; i >= 0; i -= kStates) {
-    enc_put(x[3], ptr, es[sym[i]]);
-    enc_put(x[2], ptr, es[sym[i - 1]]);
-    enc_put(x[1], ptr, es[sym[i - 2]]);
-    enc_put(x[0], ptr, es[sym[i - 3]]);
-  }
-  for (int j = 0; j < kStates; ++j)
-    for (int b = 0; b < 8; ++b) out[k++] = static_cast<uint8_t>(x[j] >> (8 * b));
-  int64_t body = (end - ptr) * 4;
-  if (k + body > cap) return -1;
-  std::memcpy(out + k, ptr, body);  // little-endian host (x86-64, aarch64)
-  return k + body;
+  return ans_encode_with(hist, n, [sym](int64_t i) { return sym[i]; }, out, cap);
 }
 
 }  // extern "C"
@@ -819,4 +827,110 @@ extern "C" int64_t dcr_scatter_digest(void* target, int64_t n, int width, const 
                                                         static_cast<const T*>(vals), count, op, sums));
   }
   return 0;
+}
+
+// ---------------------------------------------------------------- fused XOR-chunk encoder
+// codec.encode_chunk's per-change work for an XOR chunk of float values, in two passes over
+// the changes instead of one call (and one pass) per stream: (1) the GAP8 stream, the token
+// histograms of both value codings, the ulp coding's tokens and escapes and the digest terms
+// of the changed elements (old = new ^ xor); (2) rANS of the chosen coding's tokens. The
+// bytes are those of gaps_encode + tokens + ans_encode; the choice is the codec's (ulp only
+// if its estimate is strictly smaller). Zstd of the gap and escape streams stays with the
+// caller.
+static double entropy_bits(const uint64_t* h) {
+  double n = 0, acc = 0;
+  for (int s = 0; s < 256; ++s) n += static_cast<double>(h[s]);
+  if (n == 0) return 0;
+  for (int s = 0; s < 256; ++s)
+    if (h[s]) acc -= static_cast<double>(h[s]) * std::log2(static_cast<double>(h[s]) / n);
+  return acc;
+}
+
+template <class T, class I>
+static int64_t encode_xor_t(const I* pos, const T* v, const T* nv, int64_t count, int64_t lo, int64_t hi,
+                            int gap8, uint8_t* gaps, int64_t gaps_cap, uint8_t* ans, int64_t ans_cap, T* esc,
+                            int64_t* info, uint64_t* dig) {
+  // Four striped copies of each histogram: the few common tokens (0, 1, 2) would otherwise
+  // chain every increment through one counter's store-to-load latency.
+  uint32_t part[2][4][256] = {{{0}}};
+  int64_t k = 0, prev = lo - 1, ne = 0;
+  std::vector<uint8_t> tokv(static_cast<size_t>(count));
+  uint8_t* tok = tokv.data();
+  uint64_t before = 0, after = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = static_cast<int64_t>(pos[i]);
+    if (gap8) {
+      if (p <= prev || p >= hi) return -2;
+      const int64_t g = p - prev - 1;
+      const int64_t reps = g / 255;
+      if (k + reps + 1 > gaps_cap) return -1;
+      if (reps) {
+        std::memset(gaps + k, 255, reps);
+        k += reps;
+      }
+      gaps[k++] = static_cast<uint8_t>(g - reps * 255);
+      prev = p;
+    }
+    const T x = v[i], b = nv[i];
+    const T z = ulp_of<T>(x, b);
+    part[0][i & 3][x >= T(255) ? 255 : x]++;
+    part[1][i & 3][z >= T(255) ? 255 : z]++;
+    tok[i] = static_cast<uint8_t>(z >= T(255) ? 255 : z);
+    esc[ne] = z;
+    ne += z >= T(255);
+    if (dig) {
+      before += dcr_term(static_cast<uint64_t>(p), static_cast<T>(b ^ x));
+      after += dcr_term(static_cast<uint64_t>(p), b);
+    }
+  }
+  if (dig) {
+    dig[0] += before;
+    dig[1] += after;
+  }
+  uint64_t hist[2][256];
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 256; ++s)
+      hist[h][s] = uint64_t(part[h][0][s]) + part[h][1][s] + part[h][2][s] + part[h][3][s];
+  const double w = sizeof(T);
+  const double est_raw = entropy_bits(hist[0]) / 8 + static_cast<double>(hist[0][255]) * w;
+  const double est_ulp = entropy_bits(hist[1]) / 8 + static_cast<double>(hist[1][255]) * w;
+  const int ulp = est_ulp < est_raw;
+  info[0] = k;
+  info[3] = ulp;
+  info[2] = static_cast<int64_t>(hist[ulp][255]);
+  if (hist[ulp][255] * 16 > static_cast<uint64_t>(std::max<int64_t>(count, 1))) return -10;  // planes may win
+  if (!ulp) {  // the raw coding's tokens and escapes (rare for float deltas: their XORs are mostly small)
+    ne = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      tok[i] = static_cast<uint8_t>(v[i] >= T(255) ? 255 : v[i]);
+      esc[ne] = v[i];
+      ne += v[i] >= T(255);
+    }
+  }
+  const int64_t n = ans_encode_with(hist[ulp], count, [tok](int64_t i) { return tok[i]; }, ans, ans_cap);
+  if (n < 0) return -1;
+  info[1] = n;
+  return 0;
+}
+
+// pos: sorted positions in [lo, hi) (int32 or int64); vals: XOR values; newv: the new values
+// (width 2, 4 or 8). gap8 != 0 writes the GAP8 stream into gaps (else positions are only
+// read, for the digest). ans (cap >= dcr_ans_bound(count)) gets the token stream, esc
+// (room for count values) the escapes. info: [gap bytes, rANS bytes, escapes, ulp?].
+// dig (optional): [sum of the changed elements' old terms, sum of their new terms] added to.
+// Returns 0; -10 when escapes are many (info and dig are filled; the caller encodes the
+// values another way); < 0 on bad input (-2 positions, -1 capacity, -9 width).
+extern "C" int64_t dcr_encode_xor(const void* pos, int pos64, const void* vals, const void* newv, int64_t count,
+                                  int width, int64_t lo, int64_t hi, int gap8, uint8_t* gaps, int64_t gaps_cap,
+                                  uint8_t* ans, int64_t ans_cap, void* esc, int64_t* info, uint64_t* dig) {
+  if (width == 1 || !newv) return -9;
+  if (pos64) {
+    DISPATCH_WIDTH(width, return encode_xor_t<T, int64_t>(static_cast<const int64_t*>(pos), static_cast<const T*>(vals),
+                                                          static_cast<const T*>(newv), count, lo, hi, gap8, gaps,
+                                                          gaps_cap, ans, ans_cap, static_cast<T*>(esc), info, dig));
+  } else {
+    DISPATCH_WIDTH(width, return encode_xor_t<T, int32_t>(static_cast<const int32_t*>(pos), static_cast<const T*>(vals),
+                                                          static_cast<const T*>(newv), count, lo, hi, gap8, gaps,
+                                                          gaps_cap, ans, ans_cap, static_cast<T*>(esc), info, dig));
+  }
 }
