@@ -47,6 +47,7 @@ _SIGNATURES = {
     "dcr_scatter_digest": (c_i64, [c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_encode_xor": (c_i64, [c_void_p, c_int, c_void_p, c_void_p, c_i64, c_int, c_i64, c_i64, c_int, c_void_p,
                                c_i64, c_void_p, c_i64, c_void_p, c_void_p, c_void_p]),
+    "dcr_affine": (c_i64, [c_void_p, c_int, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_void_p]),
 }
 
 

@@ -45,6 +45,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.cpu() if t.is_cuda else t
 
 
+def _gather(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """The slices of t that went to one canonical tensor (a view when there is one)."""
+    return t[parts[0][0]:parts[0][1]] if len(parts) == 1 else torch.cat([t[a:b] for a, b in parts])
+
+
 def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
     """This rank's slice of a parameter as canonical values (the residual conversion)."""
     x = pm.param.detach().reshape(-1)[pm.lo:pm.hi]
@@ -129,11 +134,9 @@ class ShardSender:
                 st.residual_changed += d.count
             if d.count == 0:
                 continue
-            local = d.positions.numpy().astype(np.int64) + pm.lo
-            for pr in Placement.project(pm, local):
+            for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
                 pos = torch.from_numpy(pr.positions)
-                xor = torch.cat([d.xor[a:b] for a, b in pr.parts])
-                new = torch.cat([d.new[a:b] for a, b in pr.parts])
+                xor, new = _gather(d.xor, pr.parts), _gather(d.new, pr.parts)
                 numel = self.placement.numel(pr.name)
                 if pm.residual:
                     if digests is not None:

@@ -934,3 +934,40 @@ extern "C" int64_t dcr_encode_xor(const void* pos, int pos64, const void* vals, 
                                                           gaps_cap, ans, ans_cap, static_cast<T*>(esc), info, dig));
   }
 }
+
+// ---------------------------------------------------------------- placement
+// One segment of a placement's affine map over sorted positions p = pos[i] + add:
+// out[i] = offset + ((p - start) / row_len) * stride + (p - start) % row_len. Positions are
+// sorted, so the row is tracked incrementally (no division); row_len == stride is a shift.
+// Returns 0, or -2 if a position lies before start (the caller passes the segment's slice).
+template <class I>
+static int64_t affine_t(const I* pos, int64_t count, int64_t add, int64_t start, int64_t row_len, int64_t stride,
+                        int64_t offset, int64_t* out) {
+  if (count == 0) return 0;
+  if (static_cast<int64_t>(pos[0]) + add < start) return -2;
+  if (row_len == stride) {
+    const int64_t shift = offset + add - start;
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<int64_t>(pos[i]) + shift;
+    return 0;
+  }
+  const int64_t first = static_cast<int64_t>(pos[0]) + add - start;
+  int64_t row_lo = (first / row_len) * row_len;  // local offset of the current row's start
+  int64_t canon = offset + (first / row_len) * stride;  // its canonical start
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = static_cast<int64_t>(pos[i]) + add - start;
+    if (p - row_lo >= row_len) {
+      const int64_t rows = (p - row_lo) / row_len;
+      row_lo += rows * row_len;
+      canon += rows * stride;
+    }
+    out[i] = canon + (p - row_lo);
+  }
+  return 0;
+}
+
+extern "C" int64_t dcr_affine(const void* pos, int pos64, int64_t count, int64_t add, int64_t start, int64_t row_len,
+                              int64_t stride, int64_t offset, int64_t* out) {
+  if (row_len <= 0) return -9;
+  return pos64 ? affine_t(static_cast<const int64_t*>(pos), count, add, start, row_len, stride, offset, out)
+               : affine_t(static_cast<const int32_t*>(pos), count, add, start, row_len, stride, offset, out);
+}

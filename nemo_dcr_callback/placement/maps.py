@@ -72,19 +72,31 @@ class Placement:
         return math.prod(self.canonical[name])
 
     @staticmethod
-    def project(pm: ParamMap, positions: np.ndarray) -> list[Projected]:
-        """Sorted local flat positions -> canonical positions per tensor (sorted), with the
-        slices of the input that went to each (so values follow with the same slices)."""
+    def project(pm: ParamMap, positions: np.ndarray, add: int = 0) -> list[Projected]:
+        """Sorted local flat positions (positions + add; int32 or int64) -> canonical positions
+        per tensor (sorted, int64), with the slices of the input that went to each (so values
+        follow with the same slices). The compiled map runs when the library is there."""
+        from nemo_dcr_callback import kernels
+
+        lib = kernels.native()
         out: dict[int, Projected] = {}
-        a_idx = np.searchsorted(positions, pm.local_start)
-        b_idx = np.searchsorted(positions, pm.local_start + pm.length)
+        a_idx = np.searchsorted(positions, pm.local_start - add)
+        b_idx = np.searchsorted(positions, pm.local_start + pm.length - add)
+        if lib is not None:
+            positions = np.ascontiguousarray(positions)
+            pos64, base, width = int(positions.dtype == np.int64), positions.ctypes.data, positions.itemsize
         for s in range(pm.local_start.size):
             a, b = int(a_idx[s]), int(b_idx[s])
             if a == b:
                 continue
-            p = positions[a:b] - pm.local_start[s]
             rl, st = int(pm.row_len[s]), int(pm.canon_stride[s])
-            c = p + pm.canon_offset[s] if rl == st else (p // rl) * st + (p % rl) + pm.canon_offset[s]
+            if lib is not None and positions.dtype in (np.int32, np.int64):
+                c = np.empty(b - a, dtype=np.int64)
+                lib.dcr_affine(base + a * width, pos64, b - a, add, int(pm.local_start[s]), rl, st,
+                               int(pm.canon_offset[s]), c.ctypes.data)
+            else:
+                p = positions[a:b].astype(np.int64) + (add - pm.local_start[s])
+                c = p + pm.canon_offset[s] if rl == st else (p // rl) * st + (p % rl) + pm.canon_offset[s]
             cid = int(pm.canon_id[s])
             if cid not in out:
                 out[cid] = Projected(pm.canon[cid], [], [])  # type: ignore[arg-type]
