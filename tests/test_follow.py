@@ -257,3 +257,66 @@ def test_parts_are_fetched_in_order_a_few_at_a_time(tmp_path, lanes):
     assert all(torch.equal(bits(tensors[k]), bits(new[k])) for k in new)
     with pytest.raises(ValueError, match="fetch_lanes"):
         Follower(store, tensors, version=1, fetch_lanes=0)
+
+
+class _CountingStore(FileStore):
+    """A file store that records the requests made of it (no behaviour changed)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.calls: list[tuple[str, str]] = []
+
+    def get(self, key):
+        self.calls.append(("get", key))
+        return super().get(key)
+
+    def list(self, prefix):
+        self.calls.append(("list", prefix))
+        return super().list(prefix)
+
+    def children(self, prefix):
+        self.calls.append(("children", prefix))
+        return super().children(prefix)
+
+
+def test_commit_reads_the_last_missing_acks_by_name(tmp_path):
+    """With a few acks missing the committer reads them by name (one round trip on the refit's
+    path), not a listing then a read; with more missing it lists."""
+    store = _CountingStore(tmp_path)
+    for r in ("a", "b", "c"):
+        commit.register(store, r, 0)
+    commit.write_ack(store, 1, "a", 0)
+    store.calls.clear()
+    seen: dict = {}
+    acks = commit.read_acks(store, 1, seen, expected=["a", "b", "c"])  # three missing: a listing
+    assert set(acks) == {"a"} and ("children", "versions/0000000001/acks") in store.calls
+    store.calls.clear()
+    commit.write_ack(store, 1, "b", 0)
+    acks = commit.read_acks(store, 1, seen, expected=["a", "b", "c"])  # two missing: by name
+    assert set(acks) == {"a", "b"} and [c[0] for c in store.calls] == ["get", "get"]
+    commit.write_ack(store, 1, "c", 0, ok=False, error="bad chunk")
+    rec = {"version": 1, "base": 0}
+    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=5), expected=["a", "b", "c"])
+    assert d["decision"] == "abort" and "bad chunk" in d["reason"]  # a refusal read by name still counts
+
+
+def test_a_new_version_costs_one_listing_before_its_first_part(tmp_path):
+    """A receiver waiting for the next version finds its first part with the version listing
+    and one listing of its folder (no record or decision reads while neither exists), and
+    still ends bit-exact."""
+    states = [_model()]
+    g = torch.Generator().manual_seed(3)
+    states.append({k: perturb(v, 0.05, g) for k, v in states[0].items()})
+    store = _CountingStore(tmp_path)
+    commit.write_keyframe(store, 0, states[0])
+    f = Follower(store, {k: v.clone() for k, v in states[0].items()}, version=0)
+    s = TensorSender(states[0])
+    s.tensors = states[1]
+    s.write(store, 1, 0, s.take())  # parts and manifest, not sealed yet
+    store.calls.clear()
+    f.poll()
+    first_part = next(i for i, c in enumerate(store.calls) if c[1].endswith(".dcr"))
+    assert [c[0] for c in store.calls[:first_part]] == ["children", "list"], store.calls[:first_part]
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 1, timeout=5), commit.CommitPolicy())
+    f.follow(until=1, timeout=30, poll_s=0.01)
+    assert all(torch.equal(bits(f.tensors[k]), bits(states[1][k])) for k in states[1])

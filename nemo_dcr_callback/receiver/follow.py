@@ -422,24 +422,29 @@ class Follower:
             # Listing every version, or asking for the record and decision each time, costs
             # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
+            listings: dict[int, list[str]] = {}
             if nxt in self._parts and nxt not in self.refused:
-                listing = self.store.list(commit.vdir(nxt))
+                listing = listings[nxt] = self.store.list(commit.vdir(nxt))
                 if commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
                     self.prefetch(nxt, listing)
                     self._apply_early(nxt)
                     return out
             known = [nxt] if nxt in self._parts else commit.list_versions(self.store)
             for v in [v for v in known if v > self.version]:
-                d = commit.read_decision(self.store, v)
+                # One listing says whether v has a decision and a record (read only if so) and
+                # which parts are there: a version that just appeared costs one round trip
+                # before its first part is under way, not three.
+                listing = listings[v] if v in listings else self.store.list(commit.vdir(v))
+                d = commit.read_decision(self.store, v) if commit.decision_key(v) in listing else None
                 if d is not None and d["decision"] != "commit":
                     self._drop(v)
                     continue
                 if v in self.refused and d is None:
                     continue  # refused (acked as such): wait for the decision before trying again
-                rec = commit.read_record(self.store, v)
+                rec = commit.read_record(self.store, v) if commit.version_record(v) in listing else None
                 if rec is None:
                     if d is None and not streamed:
-                        self.prefetch(v)  # still being written: stream what is there
+                        self.prefetch(v, listing)  # still being written: stream what is there
                         self._apply_early(v)
                         streamed = True
                     continue
