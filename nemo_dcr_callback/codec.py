@@ -433,20 +433,32 @@ def parse_header(buf: bytes | memoryview, verify: bool = True) -> ChunkHeader:
     return ChunkHeader(name, kind, info, gm, vm, lay, numel, lo, hi, count, tuple(streams), off)
 
 
+def chunk_end(mv: memoryview, off: int) -> int | None:
+    """Where the chunk starting at `off` ends (its header and stream table give its length),
+    or None while those are not all there yet; ChunkError if no chunk starts at `off`."""
+    if len(mv) - off < 4:
+        return None
+    if bytes(mv[off:off + 4]) != MAGIC:
+        raise ChunkError(f"no chunk at offset {off} (corrupt)")
+    if len(mv) - off < _HEAD.size:
+        return None
+    *_, nlen, _numel, _lo, _hi, _count, nstreams = _HEAD.unpack_from(mv, off)
+    end = off + _HEAD.size + nstreams * _STREAM.size
+    if end > len(mv):
+        return None
+    stored = sum(_STREAM.unpack_from(mv, off + _HEAD.size + i * _STREAM.size)[1] for i in range(nstreams))
+    return end + nlen + stored + _SUM.size
+
+
 def split_chunks(blob: bytes | memoryview) -> list[memoryview]:
     """The chunks of a blob of chunks written back to back (a part object): each one's length
     comes from its own header and stream table; parse_header still verifies every chunk."""
     mv = memoryview(blob)
     out, off = [], 0
     while off < len(mv):
-        if len(mv) - off < _HEAD.size or bytes(mv[off:off + 4]) != MAGIC:
-            raise ChunkError(f"no chunk at offset {off} of {len(mv)} (truncated or corrupt)")
-        *_, nlen, _numel, _lo, _hi, _count, nstreams = _HEAD.unpack_from(mv, off)
-        end = off + _HEAD.size + nstreams * _STREAM.size
-        if end > len(mv):
-            raise ChunkError(f"truncated stream table at offset {off}")
-        stored = sum(_STREAM.unpack_from(mv, off + _HEAD.size + i * _STREAM.size)[1] for i in range(nstreams))
-        end += nlen + stored + _SUM.size
+        end = chunk_end(mv, off)
+        if end is None:
+            raise ChunkError(f"truncated chunk header at offset {off} of {len(mv)}")
         if end > len(mv):
             raise ChunkError(f"chunk at offset {off} runs past the end ({end} > {len(mv)} bytes: truncated)")
         out.append(mv[off:end])

@@ -320,3 +320,49 @@ def test_a_new_version_costs_one_listing_before_its_first_part(tmp_path):
     commit.run_commit(store, commit.seal_version(store, 1, 0, 1, timeout=5), commit.CommitPolicy())
     f.follow(until=1, timeout=30, poll_s=0.01)
     assert all(torch.equal(bits(f.tensors[k]), bits(states[1][k])) for k in states[1])
+
+
+def test_part_decoded_as_its_bytes_arrive(tmp_path):
+    """A part fed in pieces of any size decodes to the chunks of the whole part, with its
+    length and xxh3; a part that ends inside a chunk or holds garbage is refused; a fetch that
+    starts again (reset) does not keep what the broken one fed."""
+    import random
+
+    import xxhash
+
+    from nemo_dcr_callback.receiver.follow import _PartDecoder
+
+    old = _model()
+    g = torch.Generator().manual_seed(5)
+    new = {k: perturb(v, 0.2, g) for k, v in old.items()}
+    s = TensorSender(old)
+    s.tensors = new
+    chunks = [c for n, d in s.take() for c in codec.encode_delta(n, d, d.new, span=500)]
+    blob = b"".join(chunks)
+    rng = random.Random(0)
+    for _ in range(5):
+        part = _PartDecoder(lambda h: None)
+        part.feed(blob[:100])
+        part.reset()  # a retry from the first byte
+        i = 0
+        while i < len(blob):
+            j = min(len(blob), i + rng.choice([1, 7, 300, 5000]))
+            part.feed(blob[i:j])
+            i = j
+        n, h, dec = part.finish()
+        assert n == len(blob) and h == xxhash.xxh3_64_hexdigest(blob) and len(dec) == len(chunks)
+        for d, c in zip(dec, chunks, strict=True):
+            ref = codec.decode_chunk(c)
+            assert torch.equal(d.positions, ref.positions) and torch.equal(d.values, ref.values)
+    part = _PartDecoder(lambda h: None)
+    part.feed(blob[:-3])
+    with pytest.raises(codec.ChunkError, match="truncated"):
+        part.finish()
+    bad = bytearray(blob)
+    bad[len(chunks[0]):len(chunks[0]) + 4] = b"XXXX"
+    with pytest.raises(codec.ChunkError):
+        _PartDecoder(lambda h: None).feed(bytes(bad))
+    flipped = bytearray(blob)
+    flipped[len(chunks[0]) // 2] ^= 1
+    with pytest.raises(codec.ChunkError, match="checksum"):
+        _PartDecoder(lambda h: None).feed(bytes(flipped))

@@ -117,6 +117,43 @@ class _Parts:
             self.queued.clear()
 
 
+class _PartDecoder:
+    """One part's chunks, each verified (checksum, target) and decoded as soon as its last byte
+    is in; the part's length and xxh3 are taken as it arrives, for the manifest check."""
+
+    def __init__(self, check: Callable[[codec.ChunkHeader], None]):
+        self.check = check
+        self.reset()
+
+    def reset(self) -> None:  # a fetch that broke off starts again from the first byte
+        self.buf, self.off, self.size = bytearray(), 0, 0
+        self.hash = xxhash.xxh3_64()
+        self.decoded: list[codec.DecodedChunk] = []
+
+    def feed(self, piece: bytes) -> None:
+        self.buf += piece
+        self.size += len(piece)
+        self.hash.update(piece)
+        while True:
+            with memoryview(self.buf) as mv:
+                end = codec.chunk_end(mv, self.off)
+                if end is None or end > len(mv):
+                    break
+                c = bytes(mv[self.off:end])  # a copy: the buffer grows under it
+            h = codec.parse_header(c)
+            self.check(h)
+            self.decoded.append(codec.decode_chunk(c, h))
+            self.off = end
+        if self.off >= 1 << 20:  # drop the decoded bytes
+            del self.buf[:self.off]
+            self.off = 0
+
+    def finish(self) -> tuple[int, str, list[codec.DecodedChunk]]:
+        if self.off != len(self.buf):
+            raise codec.ChunkError(f"part ends inside a chunk ({len(self.buf) - self.off} bytes left): truncated")
+        return self.size, self.hash.hexdigest(), self.decoded
+
+
 class Follower:
     """Applies versions, in chain order, to a target: canonical tensors (name -> tensor
     sharing storage with the model, e.g. a Hugging Face model's state_dict()) or a target
@@ -201,7 +238,17 @@ class Follower:
 
     # ------------------------------------------------------------ fetching
     def _fetch_one(self, key: str):
-        """Fetch one part, verify it (chunk checksums, target) and decode it."""
+        """Fetch one part, verify it (chunk checksums, target) and decode it: chunk by chunk as
+        its bytes arrive where the store streams them (S3), so after a part's last byte only its
+        last chunk is left to decode."""
+        pieces = getattr(self.store, "get_pieces", None)
+        if pieces is not None:
+            part = _PartDecoder(self.target.check)
+            try:
+                pieces(key, part)
+            except KeyError:
+                raise codec.ChunkError(f"{key}: part missing from the store") from None
+            return (key, *part.finish())
         try:
             blob = self.store.get(key)
         except KeyError:

@@ -181,6 +181,33 @@ class S3Store:
                 raise self._fail("get", key, exc) from None
         raise AssertionError("unreachable")
 
+    def get_pieces(self, key: str, sink, piece_bytes: int = 1 << 16) -> None:
+        """The object's bytes handed to sink.feed() as they arrive (a receiver decodes a part's
+        chunks while the rest is on the link); a body that breaks off or fails its checksum is
+        fetched again from the start after sink.reset() (with backoff)."""
+        import time
+
+        e = self._errors
+        broken = (e.IncompleteReadError, e.ResponseStreamingError, e.FlexibleChecksumError, e.ReadTimeoutError,
+                  e.ConnectionClosedError)
+        for attempt in range(self.max_attempts):
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+                sink.reset()
+                for piece in body.iter_chunks(piece_bytes):
+                    sink.feed(piece)
+                return
+            except e.ClientError as exc:
+                if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    raise KeyError(key) from None
+                raise self._fail("get", key, exc) from None
+            except broken as exc:
+                if attempt + 1 == self.max_attempts:
+                    raise self._fail("get", key, exc) from None
+                time.sleep(min(2.0, 0.05 * 2 ** attempt))
+            except e.BotoCoreError as exc:
+                raise self._fail("get", key, exc) from None
+
     def exists(self, key: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self._key(key))
