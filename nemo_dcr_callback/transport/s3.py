@@ -161,6 +161,21 @@ class S3Store:
     def get(self, key: str) -> bytes:
         """The object's bytes. botocore retries failed requests; a body that breaks off or fails
         its checksum after the response began is fetched again here (with backoff)."""
+        return self._read(key, lambda body: body.read())
+
+    def get_pieces(self, key: str, sink, piece_bytes: int = 1 << 16) -> None:
+        """The object's bytes handed to sink.feed() as they arrive (a receiver decodes a part's
+        chunks while the rest is on the link); a body that breaks off or fails its checksum is
+        fetched again from the start after sink.reset() (with backoff)."""
+
+        def consume(body) -> None:
+            sink.reset()
+            for piece in body.iter_chunks(piece_bytes):
+                sink.feed(piece)
+
+        self._read(key, consume)
+
+    def _read(self, key: str, consume):
         import time
 
         e = self._errors
@@ -168,7 +183,7 @@ class S3Store:
                   e.ConnectionClosedError)
         for attempt in range(self.max_attempts):
             try:
-                return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+                return consume(self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"])
             except e.ClientError as exc:
                 if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
                     raise KeyError(key) from None
@@ -180,33 +195,6 @@ class S3Store:
             except e.BotoCoreError as exc:
                 raise self._fail("get", key, exc) from None
         raise AssertionError("unreachable")
-
-    def get_pieces(self, key: str, sink, piece_bytes: int = 1 << 16) -> None:
-        """The object's bytes handed to sink.feed() as they arrive (a receiver decodes a part's
-        chunks while the rest is on the link); a body that breaks off or fails its checksum is
-        fetched again from the start after sink.reset() (with backoff)."""
-        import time
-
-        e = self._errors
-        broken = (e.IncompleteReadError, e.ResponseStreamingError, e.FlexibleChecksumError, e.ReadTimeoutError,
-                  e.ConnectionClosedError)
-        for attempt in range(self.max_attempts):
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-                sink.reset()
-                for piece in body.iter_chunks(piece_bytes):
-                    sink.feed(piece)
-                return
-            except e.ClientError as exc:
-                if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
-                    raise KeyError(key) from None
-                raise self._fail("get", key, exc) from None
-            except broken as exc:
-                if attempt + 1 == self.max_attempts:
-                    raise self._fail("get", key, exc) from None
-                time.sleep(min(2.0, 0.05 * 2 ** attempt))
-            except e.BotoCoreError as exc:
-                raise self._fail("get", key, exc) from None
 
     def exists(self, key: str) -> bool:
         try:
