@@ -85,4 +85,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # shut gloo down before the interpreter exits (else an abort at exit, now and then)
+        dist.destroy_process_group()
+    sys.exit(rc)
