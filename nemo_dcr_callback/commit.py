@@ -290,11 +290,11 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[
     round trip on the commit's path instead of a listing and then a read."""
     seen = {} if seen is None else seen
     if expected is not None:
-        missing = [f"{r}.json" for r in expected if f"{r}.json" not in seen]
+        missing = [r for r in expected if f"{r}.json" not in seen]  # seen: by object name, as listed
         if len(missing) <= DIRECT_ACK_READS:
-            for name, a in zip(missing, read_jsons(store, [f"{vdir(v)}/acks/{n}" for n in missing]), strict=True):
+            for r, a in zip(missing, read_jsons(store, [ack_key(v, r) for r in missing]), strict=True):
                 if a is not None:
-                    seen[name] = a
+                    seen[f"{r}.json"] = a
             return {a["receiver"]: a for a in seen.values()}
     new = [n for n in store.children(f"{vdir(v)}/acks") if n not in seen]
     for name, a in zip(new, read_jsons(store, [f"{vdir(v)}/acks/{n}" for n in new]), strict=True):

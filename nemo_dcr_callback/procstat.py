@@ -14,20 +14,26 @@ def _stat_fields(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
+def _cpu(f: list[str]) -> float:
+    return (int(f[11]) + int(f[12])) / _HZ
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process."""
-    f = _stat_fields(pid)
-    return (int(f[11]) + int(f[12])) / _HZ
+    return _cpu(_stat_fields(pid))
 
 
 def tree(root: int) -> dict[int, tuple[float, str]]:
     """CPU seconds and command line (NUL-separated) of root and every process below it;
     processes that exit while being read are left out."""
     kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                kids.setdefault(int(_stat_fields(int(d))[1]), []).append(int(d))
+                f = _stat_fields(int(d))
+                kids.setdefault(int(f[1]), []).append(int(d))
+                cpu[int(d)] = _cpu(f)
             except (OSError, IndexError, ValueError):
                 continue
     out, todo = {}, [root]
@@ -35,8 +41,8 @@ def tree(root: int) -> dict[int, tuple[float, str]]:
         pid = todo.pop()
         todo += kids.get(pid, [])
         try:
-            out[pid] = (cpu_s(pid), Path(f"/proc/{pid}/cmdline").read_text())
-        except (OSError, IndexError, ValueError):
+            out[pid] = (cpu[pid], Path(f"/proc/{pid}/cmdline").read_text())
+        except (OSError, KeyError):
             continue
     return out
 

@@ -183,8 +183,7 @@ class ShardSender:
         for pm in self.active:
             base = _host(self.baselines[pm.name])
             for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
-                vals = torch.cat([base[a:b] for a, b in pr.parts])
-                out[pr.name] = (out.get(pr.name, 0) + digest.sum64(vals, pr.positions)) & digest.MASK
+                out[pr.name] = (out.get(pr.name, 0) + digest.sum64(_gather(base, pr.parts), pr.positions)) & digest.MASK
         return out
 
     def coverage(self) -> dict[str, np.ndarray]:

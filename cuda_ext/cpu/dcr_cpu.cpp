@@ -323,11 +323,14 @@ inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
   x = x + e.bias + q * e.cmpl_freq;
 }
 
+// Upper bound of the rANS output for n symbols (a symbol costs at most 12 bits).
+inline int64_t ans_bound(int64_t n) { return 32 + 512 + 8 * kStates + n + n / 2 + 64; }
+
 // rANS of n symbols sym(i) whose histogram is hist (counted by the caller: the fused encoder
 // has it from its first pass).
 template <class Sym>
 int64_t ans_encode_with(const uint64_t* hist, int64_t n, Sym&& sym, uint8_t* out, int64_t cap) {
-  if (cap < 32 + 512 + 8 * kStates + n + n / 2 + 64) return -1;
+  if (cap < ans_bound(n)) return -1;
   uint32_t freq[256];
   int64_t k = 32;
   std::memset(out, 0, 32);
@@ -530,8 +533,8 @@ int64_t dcr_tokens(const void* vals, const void* newv, int64_t count, int width,
   return e;
 }
 
-// Upper bound of dcr_ans_encode's output for n symbols (a symbol costs at most 12 bits).
-int64_t dcr_ans_bound(int64_t n) { return 32 + 512 + 8 * kStates + n + n / 2 + 64; }
+// Upper bound of dcr_ans_encode's output for n symbols.
+int64_t dcr_ans_bound(int64_t n) { return ans_bound(n); }
 
 // Order-0 rANS of n bytes. Returns the stream length, or -1 if cap is too small.
 int64_t dcr_ans_encode(const uint8_t* sym, int64_t n, uint8_t* out, int64_t cap) {

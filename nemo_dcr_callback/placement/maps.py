@@ -82,7 +82,8 @@ class Placement:
         out: dict[int, Projected] = {}
         a_idx = np.searchsorted(positions, pm.local_start - add)
         b_idx = np.searchsorted(positions, pm.local_start + pm.length - add)
-        if lib is not None:
+        native = lib is not None and positions.dtype in (np.int32, np.int64)
+        if native:
             positions = np.ascontiguousarray(positions)
             pos64, base, width = int(positions.dtype == np.int64), positions.ctypes.data, positions.itemsize
         for s in range(pm.local_start.size):
@@ -90,7 +91,7 @@ class Placement:
             if a == b:
                 continue
             rl, st = int(pm.row_len[s]), int(pm.canon_stride[s])
-            if lib is not None and positions.dtype in (np.int32, np.int64):
+            if native:
                 c = np.empty(b - a, dtype=np.int64)
                 lib.dcr_affine(base + a * width, pos64, b - a, add, int(pm.local_start[s]), rl, st,
                                int(pm.canon_offset[s]), c.ctypes.data)

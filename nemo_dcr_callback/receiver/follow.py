@@ -117,6 +117,13 @@ class _Parts:
             self.queued.clear()
 
 
+def _decode_checked(c: bytes | memoryview, check: Callable[[codec.ChunkHeader], None]) -> codec.DecodedChunk:
+    """One chunk of a part: its checksum and header verified, checked against the target, decoded."""
+    h = codec.parse_header(c)
+    check(h)
+    return codec.decode_chunk(c, h)
+
+
 class _PartDecoder:
     """One part's chunks, each verified (checksum, target) and decoded as soon as its last byte
     is in; the part's length and xxh3 are taken as it arrives, for the manifest check."""
@@ -140,9 +147,7 @@ class _PartDecoder:
                 if end is None or end > len(mv):
                     break
                 c = bytes(mv[self.off:end])  # a copy: the buffer grows under it
-            h = codec.parse_header(c)
-            self.check(h)
-            self.decoded.append(codec.decode_chunk(c, h))
+            self.decoded.append(_decode_checked(c, self.check))
             self.off = end
         if self.off >= 1 << 20:  # drop the decoded bytes
             del self.buf[:self.off]
@@ -253,11 +258,7 @@ class Follower:
             blob = self.store.get(key)
         except KeyError:
             raise codec.ChunkError(f"{key}: part missing from the store") from None
-        decoded = []
-        for c in codec.split_chunks(blob):
-            h = codec.parse_header(c)
-            self.target.check(h)
-            decoded.append(codec.decode_chunk(c, h))
+        decoded = [_decode_checked(c, self.target.check) for c in codec.split_chunks(blob)]
         return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
 
     def _fetch_parts(self, v: int, keys: list[str]) -> None:

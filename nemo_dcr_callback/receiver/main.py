@@ -11,7 +11,7 @@ import torch
 
 from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
-from nemo_dcr_callback.receiver.follow import Applied, Follower
+from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower
 from nemo_dcr_callback.transport.store import open_store
 
 
@@ -53,7 +53,8 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
 
 
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
-                timeout: float, apply: str = "loader", receiver_id: str | None = None, fetch_lanes: int = 2) -> int:
+                timeout: float, apply: str = "loader", receiver_id: str | None = None,
+                fetch_lanes: int = FETCH_LANES) -> int:
     store = open_store(url)
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
@@ -97,7 +98,7 @@ def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_app
 
 
 def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, timeout: float,
-                    receiver_id: str | None = None, fetch_lanes: int = 2) -> int:
+                    receiver_id: str | None = None, fetch_lanes: int = FETCH_LANES) -> int:
     """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
     from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
 
