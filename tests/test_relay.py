@@ -78,14 +78,23 @@ def _same(a, b):
     return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
 
 
-def _publish(store, v, old, new, world=2, part_bytes=4 << 20, policy=None):
+def _write_ranks(store, v, old, new, world=2, part_bytes=4 << 20):
+    """Every sender rank's parts and manifest of version v (not sealed)."""
     for r in range(world):
         s = TensorSender(old, r, world)
         for n in s.tensors:
             s.tensors[n] = new[n]
         s.write(store, v, v - 1, s.take(), part_bytes=part_bytes)
+
+
+def _seal_and_commit(store, v, world=2, policy=None):
     rec = commit.seal_version(store, v, v - 1, world, timeout=30)
     return commit.run_commit(store, rec, policy or commit.CommitPolicy("wait", timeout=60))
+
+
+def _publish(store, v, old, new, world=2, part_bytes=4 << 20, policy=None):
+    _write_ranks(store, v, old, new, world, part_bytes)
+    return _seal_and_commit(store, v, world, policy)
 
 
 def _damaged_part(store) -> tuple[str, bytearray]:
@@ -237,8 +246,14 @@ def test_corrupted_chunk_at_a_relay_is_not_forwarded(tmp_path, relays):
     root = relays(origin.url, "root", fault="corrupt:1")  # its cached copy of one part is damaged
     region = relays(f"{root.url},{origin.url}", "region")
     states = _states(1)
+    _write_ranks(origin, 1, states[0], states[1], part_bytes=64 << 10)
+    # The root relay holds every part before anyone below asks for one (a request joining its
+    # own first fetch would get the verified bytes in flight, not the damaged copy at rest).
+    up = RelayStore(root.url, token=TOKEN)
+    for k in [k for k in origin.list("versions") if k.endswith(".dcr")]:
+        up.get(k)
     recv, stores, ths, errs = _followers(states, [f"{region.url},{root.url},{origin.url}"], until=1)
-    d = _publish(origin, 1, states[0], states[1], part_bytes=64 << 10)
+    d = _seal_and_commit(origin, 1)
     for t in ths:
         t.join(60)
     assert not errs and d["decision"] == "commit"
