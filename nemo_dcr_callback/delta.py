@@ -120,9 +120,18 @@ def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | Non
                           int(idt == torch.int64), val.data_ptr(), kernels.ptr(new), threads)
     if count < 0:
         raise RuntimeError(f"dcr_delta failed ({count})")
-    # Copy out of the worst-case scratch so the undo log holds only what changed.
-    return SparseDelta(pos[:count].clone(), val[:count].clone(), n, current.dtype,
-                       new[:count].clone() if keep_new else None)
+    # Copy out of the worst-case scratch so the undo log holds only what changed. numpy's
+    # copy, not torch's: a torch copy this size wakes the intra-op (OpenMP) pool, whose threads
+    # then spin between the shard's tensors and doubled the pass's CPU on a shared machine.
+    return SparseDelta(_copy(pos, count), _copy(val, count), n, current.dtype,
+                       _copy(new, count) if keep_new else None)
+
+
+def _copy(t: torch.Tensor, count: int) -> torch.Tensor:
+    """A single-threaded copy of t[:count] (integer dtypes: positions and raw bits)."""
+    if count == 0:  # numpy's empty arrays come with stride 0, which torch's .view() refuses
+        return t.new_empty(0)
+    return torch.from_numpy(t[:count].numpy().copy())
 
 
 OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
@@ -149,6 +158,17 @@ def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
             raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
         return
     scatter_reference(t, positions, values, op)
+
+
+def ulp_negate(values: torch.Tensor) -> torch.Tensor:
+    """Zig-zag ulp differences -> their negations: scatter(OP_ULP) with these takes back
+    scatter(OP_ULP) with `values` bit for bit (the ulp key is a bijection and the sum wraps),
+    so an undo log needs no copy of the old values."""
+    z = bits(values.contiguous()).numpy()  # signed ints of the value width
+    u = z.view(f"u{z.itemsize}")
+    d = (u >> 1).astype(z.dtype) ^ -(u & 1).astype(z.dtype)  # un-zig-zag
+    nd = -d  # wraps at the width, like the apply's sum
+    return torch.from_numpy((nd << 1) ^ (nd >> (8 * z.itemsize - 1))).view(values.dtype)
 
 
 def scatter_reference(t: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:

@@ -113,6 +113,29 @@ def test_ulp_reference_round_trip(seed, dtype):
     assert torch.equal(delta.ulp_add_reference(old, z), new)
 
 
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOAT_DTYPES))
+@settings(max_examples=50, deadline=None)
+def test_ulp_negate_takes_an_ulp_apply_back(seed, dtype):
+    """scatter(OP_ULP, ulp_negate(z)) after scatter(OP_ULP, z) restores every bit, for any
+    target bits (NaN, Inf, -0) and any differences, the extremes of the width included: the
+    receiver's undo log relies on it instead of keeping the old values."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.empty(0, dtype=dtype).element_size()
+    bd = delta.BITS_DTYPE[w]
+    lo, hi = -(1 << (8 * w - 1)), (1 << (8 * w - 1))
+    target = torch.randint(lo, hi, (2048,), generator=g, dtype=torch.int64).to(bd).view(dtype)
+    before = bits(target).clone()
+    pos = torch.randperm(2048, generator=g)[:700].sort().values.to(torch.int32)
+    z = torch.randint(lo, hi, (700,), generator=g, dtype=torch.int64).to(bd)
+    z[:4] = torch.tensor([0, -1, lo, hi - 1]).to(bd)  # 0, the largest |d|, -2^(w-1), 2^(w-1)-1 as zig-zag bits
+    delta.scatter(target, pos, z, delta.OP_ULP)
+    assert not torch.equal(bits(target), before)
+    neg = delta.ulp_negate(z)
+    assert torch.equal(delta.ulp_negate(neg), z)
+    delta.scatter(target, pos, neg, delta.OP_ULP)
+    assert torch.equal(bits(target), before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_vector_and_scalar_kernels_agree(monkeypatch, dtype):
     """The AVX-512 path (where the CPU has it) and the portable path give the same output."""

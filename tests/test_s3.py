@@ -15,7 +15,7 @@ import torch
 from conftest import perturb, race, random_tensor
 
 from nemo_dcr_callback import codec, commit
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.delta import OP_ULP, OP_XOR, bits
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.follow import latest_keyframe
 from nemo_dcr_callback.sender import TensorSender
@@ -203,10 +203,16 @@ def test_early_apply_undone_on_abort(store):
     """Parts applied in place while the version streams are taken back, bit for bit, when the
     version is aborted: the receiver holds version 0 exactly."""
     states = _states(1)
+    name = next(iter(states[1]))  # sign flips: cheapest as XOR, so this tensor's chunk is an XOR one
+    old = states[0][name]
+    flips = torch.rand(old.numel(), generator=torch.Generator().manual_seed(3)) < 0.03
+    states[1][name] = (bits(old) ^ (flips.to(torch.int16) << 15)).view(torch.bfloat16).reshape(old.shape)
     tensors = {k: t.clone() for k, t in states[0].items()}
     f = Follower(store, tensors, early=True)
     _stream_early(store, f, states[0], states[1])
     assert f._parts[1].applied and not _same(tensors, states[0])  # really applied early
+    # both undo ways run: XOR chunks XOR again, ulp chunks add the negated differences
+    assert {d.op for d, _ in f._parts[1].undo} == {OP_XOR, OP_ULP}
     rec = commit.seal_version(store, 1, 0, 1)
     commit.decide(store, 1, 0, "abort", [], [], "test")
     assert f.poll() == [] and f.version == 0 and 1 not in f._parts

@@ -36,7 +36,7 @@ import torch
 import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
-from nemo_dcr_callback.delta import OP_OVERWRITE, OP_XOR, bits, scatter
+from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
 from nemo_dcr_callback.transport.store import StoreError, wait_change
 
 # The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).
@@ -344,7 +344,8 @@ class Follower:
                 continue
             for d in dec:  # one chunk at a time: the undo log never holds a chunk not applied
                 flat = self.target.flat(d.header.name)
-                old = None if d.op == OP_XOR else torch.index_select(bits(flat), 0, d.positions)
+                # XOR and ulp chunks are undone from the chunk itself; only overwrites keep the old bits
+                old = None if d.op in (OP_XOR, OP_ULP) else torch.index_select(bits(flat), 0, d.positions)
                 b, a = self.target.apply_with_terms([d])[d.header.name]
                 st.undo.append((d, old))
                 ob, oa = st.terms.get(d.header.name, (0, 0))
@@ -356,7 +357,9 @@ class Follower:
         """Take back every early-applied chunk, newest first: the weights are exactly as before."""
         for d, old in reversed(st.undo):
             flat = self.target.flat(d.header.name)
-            if old is None:
+            if d.op == OP_ULP:
+                scatter(flat, d.positions, ulp_negate(d.values), OP_ULP)
+            elif old is None:
                 scatter(flat, d.positions, d.values, OP_XOR)
             else:
                 scatter(flat, d.positions, old, OP_OVERWRITE)
