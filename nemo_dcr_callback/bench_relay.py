@@ -262,11 +262,15 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     return {**{f"relay-{i}": cpu_s(p.p.pid) for i, p in enumerate(relays)},
                             "s3": cpu_s(s3.proc.pid), "sender": time.process_time()}
 
-                def requests_now() -> dict[str, dict[str, int]]:  # requests each relay has served, by kind
+                def requests_now() -> dict[str, dict[str, int]]:
+                    """Requests each relay has served, by kind, and made of its parent ("up_" + call)."""
                     from nemo_dcr_callback.transport.relay_store import RelayStore
 
-                    return {f"relay-{i}": RelayStore(u, token=token).stats()["requests"]
-                            for i, u in enumerate(relay_urls)}
+                    out = {}
+                    for i, u in enumerate(relay_urls):
+                        st = RelayStore(u, token=token).stats()
+                        out[f"relay-{i}"] = {**st["requests"], **{f"up_{k}": n for k, n in st["upstream"].items()}}
+                    return out
 
                 for v in range(1, (0 if name == "dense-s3" else versions) + 1):
                     policy.step(lr)
@@ -305,7 +309,9 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                           f"{t_streamed:.2f} s, sealed {t_sealed:.2f} s, acks {acks[0]:.2f}-{acks[-1]:.2f} s, "
                           f"decided {t_decided:.2f} s; the host busy {host_busy:.2f} CPU-s: "
                           + ", ".join(f"{k} {x:.2f}" for k, x in cpu_by.items()) + ")"
-                          + ("; requests served: " + ", ".join(f"{r} {sum(q.values())}" for r, q in req_by.items())
+                          + ("; requests served (made upstream): " + ", ".join(
+                              f"{r} {sum(n for k, n in q.items() if not k.startswith('up_'))} "
+                              f"({sum(n for k, n in q.items() if k.startswith('up_'))})" for r, q in req_by.items())
                              if req_by else ""), flush=True)
                 dense_last = None
                 if name == "dense-s3":

@@ -20,8 +20,11 @@ from its parent (the origin store, or the relay above it) once:
   is verified, passed up to the origin, then held and announced at once, so it flows down
   the tree without waiting for the watcher to find it in the origin; a committer reading
   acks through the relay long-polls instead of polling the origin.
-- The watcher backs off when a round finds nothing new (up to `idle_poll_s`) and is woken
-  at once by writes through this relay, so an idle tree does not keep the origin busy.
+- The watcher lists the parent every `poll_s` while rounds find objects it did not hold
+  already, and backs off (up to `idle_poll_s`) otherwise, so an idle tree does not keep the
+  origin busy. Writes through this relay are held and listed as they come: they are no
+  reason to list the parent (a version written through the root relay costs the origin a
+  listing every `idle_poll_s`, for writes that bypass the relay, not one per object).
 - Peers authenticate with a shared token (Authorization: Bearer); TLS is optional.
 
 The parent is any store (transport.store.open_store): a comma-separated list of URLs makes
@@ -176,11 +179,13 @@ class Relay:
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
                       "requests": {},  # served, by kind: GET, HEAD, PUT (objects), wait, list, children, stats
+                      "upstream": {},  # asked of the parent, by call: get, list, children, put, wait, ...
                       "started": time.time()}
         self._fault = _Fault(cfg.fault)
         self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
         self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
         self._changed = asyncio.Event()
+        self._upstream_news = False  # a parent listing showed keys not written through this relay
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -208,6 +213,9 @@ class Relay:
 
     # ------------------------------------------------------------ upstream
     async def _up(self, fn, *args):
+        name = getattr(fn, "__name__", "call")
+        if getattr(fn, "__self__", None) is self.parent:
+            self.stats["upstream"][name] = self.stats["upstream"].get(name, 0) + 1
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def fetch(self, key: str) -> tuple[bytes, str] | None:
@@ -277,12 +285,18 @@ class Relay:
             if late - set(out):
                 out = sorted(set(out) | late)
             if hit is None or hit[1] != out:
-                diff = set(out) ^ set(hit[1]) if hit is not None else set(out)
-                self._bump(*(n if op == "list" else prefix + n for n in diff))
+                diff = [n if op == "list" else prefix + n for n in set(out) ^ set(hit[1] if hit else ())]
+                self._bump(*diff)
+                if not all(self._written_here(k) for k in diff):
+                    self._upstream_news = True
             self.lists[k] = (t, out)
             return out
 
         return await _single_flight(self.list_inflight, k, fetch_list)
+
+    def _written_here(self, key: str) -> bool:
+        """Was key (or, for a folder, something in it) written through this relay?"""
+        return key in self.put_at or any(k.startswith(key + "/") for k in self.put_at)
 
     def _watched_listing(self, key: str) -> list[str] | None:
         """The watcher's current listing of the version folder that holds key, if it keeps one."""
@@ -308,8 +322,9 @@ class Relay:
             async with lanes:
                 await self.fetch(k)
 
-        pause, gen0 = self.cfg.poll_s, self.gen
+        pause = self.cfg.poll_s
         while True:
+            self._upstream_news = False
             try:
                 versions = [v for v in await self.listing("children", "versions/", fresh=True) if v.isdigit()]
                 for v in versions[-3:]:
@@ -334,13 +349,10 @@ class Relay:
                     continue
                 except OSError:
                     pass
-            # nothing new: back off (up to idle_poll_s); a write through this relay wakes it at once
-            pause = self.cfg.poll_s if self.gen != gen0 else min(2 * pause, max(self.cfg.poll_s, self.cfg.idle_poll_s))
-            gen0 = self.gen
-            try:
-                await asyncio.wait_for(self._changed.wait(), pause)
-            except TimeoutError:
-                pass
+            # nothing new from the parent: back off (up to idle_poll_s)
+            pause = (self.cfg.poll_s if self._upstream_news
+                     else min(2 * pause, max(self.cfg.poll_s, self.cfg.idle_poll_s)))
+            await asyncio.sleep(pause)
 
     # ------------------------------------------------------------ HTTP
     def _authorized(self, request: web.Request) -> bool:
