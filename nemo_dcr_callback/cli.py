@@ -173,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--spill-mb", type=_positive, default=8192)
     ry.add_argument("--poll-ms", type=float, default=5.0, help="how often to list the parent for new objects")
     ry.add_argument("--idle-poll-ms", type=float, default=40.0,
-                    help="the longest pause between listings while nothing new turns up (writes through wake it)")
+                    help="the longest pause between listings while nothing new turns up")
+    ry.add_argument("--write-through-poll-ms", type=float, default=250.0,
+                    help="the same while senders write through this relay (listings then only catch writes that "
+                         "went around it)")
     ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
     ry.add_argument("--tls-cert", default=None)
     ry.add_argument("--tls-key", default=None)
@@ -297,7 +300,8 @@ def _relay(args) -> int:
     serve(parent, RelayConfig(host=host, port=port, token=token, name=args.name, cache_mb=args.cache_mb,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
-                              prefetch=not args.no_prefetch, tls_cert=args.tls_cert, tls_key=args.tls_key))
+                              write_through_poll_s=args.write_through_poll_ms / 1e3, prefetch=not args.no_prefetch,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key))
     return 0
 
 

@@ -405,3 +405,30 @@ def test_receivers_long_poll_wakes_on_data_not_on_acks(tmp_path, relays):
     t0 = time.monotonic()
     g2 = store.wait(g1, 5.0, data_only=True)
     assert g2 > g1 and time.monotonic() - t0 < 3.0  # the watcher's listing wakes data waiters
+
+
+def test_writes_through_a_relay_do_not_make_it_list_the_parent(tmp_path, relays):
+    """A sender writing through the root relay: each object is held and listed as it comes,
+    so the relay lists the origin only now and then (for writes that go around it), not once
+    per object (before, every write woke the watcher into a round of listings: on S3 a
+    version's worth of parts cost the origin ~60 listings). A write straight to the origin is
+    still found within a listing period."""
+    import time
+
+    origin = FileStore(tmp_path / "origin")
+    r = relays(origin.url, "root")
+    store = RelayStore(r.url, token=TOKEN)
+    time.sleep(0.5)  # the watcher backs off to its idle pace
+    listings = lambda: sum(r.stats()["upstream"].get(k, 0) for k in ("list", "children"))  # noqa: E731
+    before, t0 = listings(), time.monotonic()
+    n = 40
+    for i in range(n):
+        store.put(f"versions/0000000001/rank-00000/meta-{i:03d}.json", b"{}")
+    time.sleep(0.3)
+    made = listings() - before
+    rounds = (time.monotonic() - t0) / 0.04 + 2  # at most one round per idle period (40 ms) and then some
+    assert made <= 3 * rounds and made < n, f"{made} listings of the origin for {n} writes through the relay"
+    gen = store.wait(0, 0.01)
+    origin.put("versions/0000000001/rank-00001/part-000000.dcr", b"x")  # around the relay
+    t0 = time.monotonic()
+    assert store.wait(gen, 5.0, data_only=True) > gen and time.monotonic() - t0 < 1.5
