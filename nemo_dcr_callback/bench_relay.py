@@ -59,7 +59,7 @@ def receiver_main(args: list[str]) -> int:
     ap.add_argument("--init", required=True)
     ap.add_argument("--versions", type=int, default=0)
     ap.add_argument("--id", required=True)
-    ap.add_argument("--apply", choices=list(APPLY_MODES), default="late")
+    ap.add_argument("--apply", choices=list(APPLY_MODES), default="sealed")
     a = ap.parse_args(args)
     torch.set_num_threads(1)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
@@ -178,8 +178,8 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
 
 
 # ------------------------------------------------------------------ the run
-def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 3,
-        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "late") -> dict:
+def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 5,
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed") -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic

@@ -179,7 +179,9 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
         if cpu / inp.host_cores > streamed:
             streamed, slowest = cpu / inp.host_cores, "shared CPU"
     first = co.request_s + inp.link_latency_s * (1 + hops)  # the first part noticed downstream
-    commit = co.request_s + 2 * inp.link_latency_s * (1 + hops)  # ack up to the committer, decision down
+    # ack up to the committer, decision down: a store round trip, and one more per relay level
+    # (each relay passes the ack up and the decision down as requests of its own)
+    commit = co.request_s * (1 + hops if inp.transport == "relay" else 1) + 2 * inp.link_latency_s * (1 + hops)
     total = first + streamed + protocol + commit + app
     floor = _host_cpu_floor(inp, co, D, P)
     if floor is not None and first + floor + commit > total:  # the shared cores, not the path, bound it
@@ -197,14 +199,17 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
 def _host_cpu_floor(inp: PlanInput, co: Coefficients, D: float, P: float) -> float | None:
     """A relay tree whose every process shares one host's cores (the validation runs): the CPU
     all of them spend per version, over the cores, bounds the refit from below. Per-process
-    CPU comes from the 1-receiver relay run, scaled by model and payload size; region relays
-    and receivers scale with the receivers they serve. None where not calibrated."""
+    CPU comes from the 1-receiver relay run, scaled by model and payload size; the root relay
+    with the region relays it serves, region relays and receivers with the receivers. None
+    where not calibrated."""
     h = co.host_cpu
     if not inp.host_cores or h is None or inp.transport != "relay":
         return None
     kd, kp = D / h["dense_bytes"], P / h["payload_bytes"]
     n = inp.receivers * inp.regions
-    cpu = kd * h["sender"] + kp * (h["store"] + h["root_relay"]) + n * (kp * h["region_relay"] + kd * h["receiver"])
+    # the root relay forwards the payload to every region's relay (the 1-receiver run has one)
+    cpu = kd * h["sender"] + kp * (h["store"] + inp.regions * h["root_relay"]) \
+        + n * (kp * h["region_relay"] + kd * h["receiver"])
     return cpu / inp.host_cores
 
 
