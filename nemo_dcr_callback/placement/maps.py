@@ -80,8 +80,11 @@ class Placement:
 
         lib = kernels.native()
         out: dict[int, Projected] = {}
-        a_idx = np.searchsorted(positions, pm.local_start - add)
-        b_idx = np.searchsorted(positions, pm.local_start + pm.length - add)
+        # the bounds in the positions' own dtype (clipped to its range, which keeps every
+        # answer): with int64 bounds numpy would convert all int32 positions first, twice
+        lim = np.iinfo(positions.dtype) if positions.dtype.kind == "i" else None
+        a_idx = np.searchsorted(positions, _as(pm.local_start - add, lim, positions.dtype))
+        b_idx = np.searchsorted(positions, _as(pm.local_start + pm.length - add, lim, positions.dtype))
         native = lib is not None and positions.dtype in (np.int32, np.int64)
         if native:
             positions = np.ascontiguousarray(positions)
@@ -108,6 +111,13 @@ class Placement:
             pr.positions = np.concatenate(pr.positions) if len(pr.positions) > 1 else pr.positions[0]
             res.append(pr)
         return res
+
+
+def _as(bounds: np.ndarray, lim, dtype) -> np.ndarray:
+    """Search bounds in the dtype of the positions searched (no conversion of the positions)."""
+    if lim is None or bounds.dtype == dtype:
+        return bounds
+    return np.clip(bounds, lim.min, lim.max).astype(dtype)
 
 
 def _rows(rule: Rule, R: np.ndarray, g_rows: int, dims: dict) -> tuple[np.ndarray, np.ndarray, list[int]]:
