@@ -34,28 +34,39 @@ def _role(cmd: str) -> str:
     return "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other"
 
 
-def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str]) -> tuple[list[float], dict]:
+def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], warmup: int = 3
+         ) -> tuple[list[float], dict]:
     """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
-    CPU) over the middle of the run, read from /proc while it trains."""
+    CPU) from the start of step `warmup` to the start of the last step (rank 0 prints when each
+    step starts), read from /proc while it trains."""
+    from nemo_dcr_callback.lightning_gpt import STEP_CLOCK_ENV
+
     run_dir = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead."))
     cmd = torchrun_cmd(tp * pp, [str(SCRIPT), f"parallel.tensor_model_parallel_size={tp}",
                                  f"parallel.pipeline_model_parallel_size={pp}", f"trainer.max_steps={steps}",
                                  f"hydra.run.dir={run_dir}", *([] if with_callback else ["trainer.callbacks=[]"]),
                                  *extra])
     with open(run_dir / "launch.log", "w+") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, STEP_CLOCK_ENV: "1"})
         samples = []
         while p.poll() is None:
             samples.append((time.monotonic(), procstat.host_idle_s(), procstat.tree(p.pid)))
             time.sleep(0.25)
+        log.seek(0)
+        text = log.read()
         if p.returncode != 0:
-            log.seek(0)
-            raise RuntimeError(log.read()[-4000:])
+            raise RuntimeError(text[-4000:])
+    starts = {int(w[1]): float(w[2]) for w in (ln.split() for ln in text.splitlines())
+              if len(w) == 3 and w[0] == STEP_CLOCK_ENV}
     rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
     times = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
     cpu: dict[str, float] = {}
-    if len(samples) > 8:  # the training part of the run (start-up is imports and model building)
-        a, b = samples[int(len(samples) * 0.55)], samples[int(len(samples) * 0.9)]
+    # the training part of the run, after the warm-up steps (before: imports, model building,
+    # the callback's workers starting, whose CPU is not a step's)
+    inside = [s for s in samples if starts.get(warmup, float("inf")) <= s[0] <= starts.get(max(starts, default=0), 0)]
+    if len(inside) > 4:
+        a, b = inside[0], inside[-1]
         per_step = statistics.median(times) / 1e3 / (b[0] - a[0])  # seconds of this window -> steps
         for pid, (c, cmd) in b[2].items():
             if pid in a[2]:
@@ -75,7 +86,7 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
     for i in range(pairs):
         for cb in (True, False) if i % 2 == 0 else (False, True):
             print(f"nemo-dcr bench overhead: {'with' if cb else 'without'} the callback ...", flush=True)
-            times, c = _run(tp, pp, steps, cb, extra)
+            times, c = _run(tp, pp, steps, cb, extra, warmup)
             (with_cb if cb else without).extend(times[warmup:])
             cpu[cb].append(c)
     a, b = statistics.median(with_cb), statistics.median(without)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, hf_config, train_step, wrap_for_training
 
+STEP_CLOCK_ENV = "NEMO_DCR_STEP_CLOCK"  # set: rank 0 prints each step's start (monotonic clock)
+
 
 class RandomTokens(torch.utils.data.Dataset):
     """Synthetic token batches [micro_batches, micro_batch_size, seq + 1], per DP rank."""
@@ -96,6 +98,8 @@ class MegatronGPTModule(L.LightningModule):
         if getattr(self, "_t_last", None) is not None:
             self.log("step_ms", 1e3 * (now - self._t_last), on_step=True, batch_size=1)
         self._t_last = now
+        if os.environ.get(STEP_CLOCK_ENV) and self.trainer.global_rank == 0:  # bench overhead: when steps start
+            print(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}", flush=True)
         loss = train_step(self._ddp, self._opt, batch, self.cfg)
         if loss is not None:
             self.log("loss", loss, on_step=True, prog_bar=False, batch_size=1)
