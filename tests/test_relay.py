@@ -432,3 +432,45 @@ def test_writes_through_a_relay_do_not_make_it_list_the_parent(tmp_path, relays)
     origin.put("versions/0000000001/rank-00001/part-000000.dcr", b"x")  # around the relay
     t0 = time.monotonic()
     assert store.wait(gen, 5.0, data_only=True) > gen and time.monotonic() - t0 < 1.5
+
+
+def test_a_write_through_in_flight_is_not_fetched_back_from_the_parent(tmp_path):
+    """A sender's write through the relay reaches the parent before the relay holds it; a
+    watcher round in between must not download the object the relay is being given (CI saw
+    the root fetch a part back from the origin once). In-process relay; the parent answers
+    the PUT late, after the object is already there."""
+    import asyncio
+    import time
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    origin.put("versions/0000000001/VERSION.json", b"{}")  # a version folder the watcher lists
+    key = "versions/0000000001/rank-00000.json"
+
+    class SlowPut:
+        url = origin.url
+
+        def put(self, k, data, durable=True):
+            origin.put(k, data, durable)
+            time.sleep(0.4)  # stored; the answer is on its way while the watcher lists
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    async def main():
+        relay = Relay(SlowPut(), RelayConfig(token=TOKEN, poll_s=0.005, idle_poll_s=0.01))
+        await relay.start()
+        try:
+            await asyncio.sleep(0.1)  # the watcher has listed the folder once
+            store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
+            await asyncio.get_running_loop().run_in_executor(None, store.put, key, b'{"parts": []}')
+            got = await asyncio.get_running_loop().run_in_executor(None, store.get, key)
+            await asyncio.sleep(0.1)
+            return dict(relay.stats), got
+        finally:
+            await relay.stop()
+
+    st, got = asyncio.run(main())
+    assert got == b'{"parts": []}'
+    assert st["objects_in"] == 1 and st["puts"] == 1, st  # only VERSION.json came from the parent

@@ -172,6 +172,9 @@ class Relay:
         self.cache = Cache(cfg.cache_mb << 20, cfg.spill_dir, cfg.spill_mb << 20)
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="relay-up")
         self.inflight: dict[str, asyncio.Future] = {}
+        # immutable objects being written through this relay (passed up, not yet held): the
+        # watcher must not pull them from the parent in between, nor a GET fetch them there
+        self.writing: dict[str, asyncio.Event] = {}
         self.missing: dict[str, float] = {}  # key -> time it was last seen absent upstream
         self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
         self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -231,6 +234,12 @@ class Relay:
             self.stats["hits"] += 1
             return hit
         if not mutable(key):
+            w = self.writing.get(key)
+            if w is not None:  # being written through: held in a moment (unless the write fails)
+                await w.wait()
+                hit = self.cache.get(key)
+                if hit is not None:
+                    return hit
             if self._known_absent(key):
                 return None
             seen = self.missing.get(key)
@@ -339,7 +348,7 @@ class Relay:
                         continue
                     keys = [k for k in await self.listing("list", vd, fresh=True) if not mutable(k)]
                     self.watched_dirs.add(vd)
-                    todo = [k for k in keys if k not in self.cache and k not in self.inflight]
+                    todo = [k for k in keys if k not in self.cache and k not in self.inflight and k not in self.writing]
                     # manifests and records first: parts are then checked against them too
                     todo.sort(key=lambda k: (not k.endswith(".json"), k))
                     if todo:
@@ -420,16 +429,22 @@ class Relay:
             except VerifyError as exc:
                 self.stats["rejected"] += 1
                 return web.json_response({"error": f"refused: {exc}"}, status=400)
-        if request.query.get("if_absent") == "1":
-            created = await self._up(self.parent.put_if_absent, key, data)
-            if not created:  # another writer's object stands: fetched from the parent when asked
-                return web.json_response({"created": False}, status=412)
-        else:
-            await self._up(self.parent.put, key, data)
-        self._listed(key)
-        if keep:
-            self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
-            self.immutable_put_at = time.monotonic()
+        w = self.writing.setdefault(key, asyncio.Event()) if keep else None
+        try:
+            if request.query.get("if_absent") == "1":
+                created = await self._up(self.parent.put_if_absent, key, data)
+                if not created:  # another writer's object stands: fetched from the parent when asked
+                    return web.json_response({"created": False}, status=412)
+            else:
+                await self._up(self.parent.put, key, data)
+            self._listed(key)
+            if keep:
+                self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
+                self.immutable_put_at = time.monotonic()
+        finally:
+            if w is not None and self.writing.get(key) is w:
+                del self.writing[key]
+                w.set()
         self._bump(key)
         return web.json_response({"created": True, "ok": True})
 
