@@ -153,3 +153,14 @@ def init_gloo(tp: int, pp: int = 1, timeout_s: float = 300.0) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     ps.initialize_model_parallel(tp, pp)
     return dist.get_rank()
+
+
+def exit_worker(rc: int) -> None:
+    """End a torchrun worker with exit status rc, its process group destroyed first: gloo's
+    threads still up while the interpreter exits abort the process now and then ("terminate
+    called without an active exception"), after the work itself has passed."""
+    import sys
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(rc)

@@ -85,9 +85,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    import torch.distributed as dist
+    from nemo_dcr_callback.megatron_cpu import exit_worker
 
-    if dist.is_initialized():  # shut gloo down before the interpreter exits (else an abort at exit, now and then)
-        dist.destroy_process_group()
-    sys.exit(rc)
+    exit_worker(main())
