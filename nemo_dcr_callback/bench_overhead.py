@@ -64,7 +64,8 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
     cpu: dict[str, float] = {}
     # the training part of the run, after the warm-up steps (before: imports, model building,
     # the callback's workers starting, whose CPU is not a step's)
-    inside = [s for s in samples if starts.get(warmup, float("inf")) <= s[0] <= starts.get(max(starts, default=0), 0)]
+    first, last = starts.get(warmup), starts.get(max(starts, default=-1))
+    inside = [s for s in samples if first is not None and first <= s[0] <= last]
     if len(inside) > 4:
         a, b = inside[0], inside[-1]
         per_step = statistics.median(times) / 1e3 / (b[0] - a[0])  # seconds of this window -> steps

@@ -82,9 +82,8 @@ class Placement:
         out: dict[int, Projected] = {}
         # the bounds in the positions' own dtype (clipped to its range, which keeps every
         # answer): with int64 bounds numpy would convert all int32 positions first, twice
-        lim = np.iinfo(positions.dtype) if positions.dtype.kind == "i" else None
-        a_idx = np.searchsorted(positions, _as(pm.local_start - add, lim, positions.dtype))
-        b_idx = np.searchsorted(positions, _as(pm.local_start + pm.length - add, lim, positions.dtype))
+        a_idx = np.searchsorted(positions, _as(pm.local_start - add, positions.dtype))
+        b_idx = np.searchsorted(positions, _as(pm.local_start + pm.length - add, positions.dtype))
         native = lib is not None and positions.dtype in (np.int32, np.int64)
         if native:
             positions = np.ascontiguousarray(positions)
@@ -113,10 +112,11 @@ class Placement:
         return res
 
 
-def _as(bounds: np.ndarray, lim, dtype) -> np.ndarray:
+def _as(bounds: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Search bounds in the dtype of the positions searched (no conversion of the positions)."""
-    if lim is None or bounds.dtype == dtype:
+    if dtype.kind != "i" or bounds.dtype == dtype:
         return bounds
+    lim = np.iinfo(dtype)
     return np.clip(bounds, lim.min, lim.max).astype(dtype)
 
 
