@@ -17,7 +17,7 @@ parameter's flat range evenly, so every canonical element is sent by exactly one
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ class ParamMap:
     canon: list[str]
     dtype: torch.dtype = torch.bfloat16  # the parameter's (training) dtype
     size: int = 0  # the parameter's number of elements
+    # project()'s search bounds by (add, positions' dtype): made once, not every version
+    bounds: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -82,8 +84,11 @@ class Placement:
         out: dict[int, Projected] = {}
         # the bounds in the positions' own dtype (clipped to its range, which keeps every
         # answer): with int64 bounds numpy would convert all int32 positions first, twice
-        a_idx = np.searchsorted(positions, _as(pm.local_start - add, positions.dtype))
-        b_idx = np.searchsorted(positions, _as(pm.local_start + pm.length - add, positions.dtype))
+        key = (add, positions.dtype)
+        lo_b, hi_b = pm.bounds.get(key) or pm.bounds.setdefault(key, (
+            _as(pm.local_start - add, positions.dtype), _as(pm.local_start + pm.length - add, positions.dtype)))
+        a_idx = np.searchsorted(positions, lo_b)
+        b_idx = np.searchsorted(positions, hi_b)
         native = lib is not None and positions.dtype in (np.int32, np.int64)
         if native:
             positions = np.ascontiguousarray(positions)
