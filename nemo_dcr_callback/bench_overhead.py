@@ -34,11 +34,12 @@ def _role(cmd: str) -> str:
     return "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other"
 
 
-def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], warmup: int = 3
-         ) -> tuple[list[float], dict]:
+def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], warmup: int = 3,
+         alternate: int = 0) -> tuple[list[float], dict, dict[int, float]]:
     """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
     CPU) from the start of step `warmup` to the start of the last step (rank 0 prints when each
     step starts), read from /proc while it trains."""
+    from nemo_dcr_callback.callback import ALTERNATE_ENV
     from nemo_dcr_callback.lightning_gpt import STEP_CLOCK_ENV
 
     run_dir = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead."))
@@ -48,7 +49,8 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
                                  *extra])
     with open(run_dir / "launch.log", "w+") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, STEP_CLOCK_ENV: "1"})
+                             env={**os.environ, STEP_CLOCK_ENV: "1",
+                                  **({ALTERNATE_ENV: str(alternate)} if alternate else {})})
         samples = []
         while p.poll() is None:
             samples.append((time.monotonic(), procstat.host_idle_s(), procstat.tree(p.pid)))
@@ -61,6 +63,7 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
               if len(w) == 3 and w[0] == STEP_CLOCK_ENV}
     rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
     times = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
+    by_step = {int(r["step"]): float(r["step_ms"]) for r in rows if r.get("step_ms")}
     cpu: dict[str, float] = {}
     # the training part of the run, after the warm-up steps (before: imports, model building,
     # the callback's workers starting, whose CPU is not a step's)
@@ -75,22 +78,76 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
                 cpu[role] = cpu.get(role, 0.0) + 1e3 * (c - a[2][pid][0]) * per_step
         cpu["host_idle"] = 1e3 * (b[1] - a[1]) * per_step
     shutil.rmtree(run_dir, ignore_errors=True)
-    return times, cpu
+    return times, cpu, by_step
+
+
+def _blocks(by_step: dict[int, float], k: int, skip: int = 2) -> list[dict[bool, list[float]]]:
+    """A run with --alternate k, as pairs of adjacent blocks (an "off" block, then the "on"
+    block after it): {True: on step times, False: off step times}. The row logged at step s
+    times batch s-1 with its publish; the first `skip` batches of every block are left out
+    (the first publish after an off block carries k + 1 steps of changes, and the worker's
+    encoding of a block's last version runs into the next block), and so is block 0 (start-up)."""
+    blocks: dict[int, list[float]] = {}
+    for s, ms in by_step.items():
+        b = s - 1
+        if b // k >= 1 and b % k >= skip:
+            blocks.setdefault(b // k, []).append(ms)
+    return [{True: blocks[j + 1], False: blocks[j]} for j in sorted(blocks) if j % 2 and j + 1 in blocks]
+
+
+def _run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str]) -> dict:
+    """Runs that publish in every other block of k steps, compared block pair by block pair."""
+    pairs: list[dict[bool, list[float]]] = []
+    per_run = []
+    for i in range(runs):
+        print(f"nemo-dcr bench overhead: run {i + 1}/{runs}, the callback on in every other block of {k} steps ...",
+              flush=True)
+        _, _, by_step = _run(tp, pp, steps, True, extra, alternate=k)
+        ps = _blocks(by_step, k)
+        if not ps:
+            raise RuntimeError(f"no pair of blocks in {steps} steps with blocks of {k}: pass more --steps")
+        pairs += ps
+        per_run.append(statistics.median(t for p in ps for t in p[True]) /
+                       statistics.median(t for p in ps for t in p[False]) - 1)
+    return {"pairs": pairs, "per_run": per_run}
+
+
+def _bootstrap(runs: list[dict[bool, list[float]]], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 90% interval of the overhead: pairs drawn with replacement, the pooled medians'
+    ratio each time. Pairs, not steps, are the unit: a run's steps share that run's state of
+    the host, and the run-to-run spread is the larger part of the noise here."""
+    import random
+
+    rng = random.Random(seed)
+    est = []
+    for _ in range(n):
+        pick = [rng.randrange(len(runs)) for _ in runs]
+        w = statistics.median(t for i in pick for t in runs[i][True])
+        wo = statistics.median(t for i in pick for t in runs[i][False])
+        est.append(w / wo - 1)
+    est.sort()
+    return est[int(0.05 * (n - 1))], est[int(0.95 * (n - 1))]
 
 
 def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int = 3, json_path: str | None = None,
-        extra: list[str] | None = None) -> dict:
+        extra: list[str] | None = None, alternate: int = 0) -> dict:
     extra = extra or []
-    with_cb: list[float] = []
-    without: list[float] = []
+    if alternate:
+        return run_alternate(tp, pp, steps, pairs, alternate, extra, json_path)
+    runs: list[dict[bool, list[float]]] = []  # per pair: step times with / without
     cpu: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(pairs):
+        runs.append({})
         for cb in (True, False) if i % 2 == 0 else (False, True):
             print(f"nemo-dcr bench overhead: {'with' if cb else 'without'} the callback ...", flush=True)
-            times, c = _run(tp, pp, steps, cb, extra, warmup)
-            (with_cb if cb else without).extend(times[warmup:])
+            times, c, _ = _run(tp, pp, steps, cb, extra, warmup)
+            runs[-1][cb] = times[warmup:]
             cpu[cb].append(c)
+    with_cb = [t for r in runs for t in r[True]]
+    without = [t for r in runs for t in r[False]]
     a, b = statistics.median(with_cb), statistics.median(without)
+    per_pair = [statistics.median(r[True]) / statistics.median(r[False]) - 1 for r in runs]
+    lo, hi = _bootstrap(runs)
 
     def med(cb: bool) -> dict[str, float]:  # CPU ms per step by role, median over the runs
         keys = {k for c in cpu[cb] for k in c}
@@ -99,15 +156,42 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
     out = {"benchmark": "overhead", "tp": tp, "pp": pp, "steps": steps, "pairs": pairs, "extra": extra,
            "median_step_ms_with": a, "median_step_ms_without": b, "overhead": a / b - 1,
            "samples_with": len(with_cb), "samples_without": len(without), "target": 0.05,
+           "per_pair_overhead": per_pair, "overhead_ci90": [lo, hi],
            "cpu_ms_per_step_with": med(True), "cpu_ms_per_step_without": med(False),
            "machine": f"{os.cpu_count()} cores"}
     print(f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {b:15.1f}\n{'with callback':>18} {a:15.1f}\n"
           f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(with_cb)}/{len(without)} steps, "
-          f"TP {tp} x PP {pp} on CPU")
+          f"TP {tp} x PP {pp} on CPU\n"
+          f"  90% interval over pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per pair: "
+          + " ".join(f"{100 * x:+.1f}%" for x in per_pair))
     for cb in (False, True):
         m = med(cb)
         print(f"CPU per step {'with' if cb else 'without'} the callback (ms, median of runs): "
               + ", ".join(f"{k} {v:.0f}" for k, v in m.items()))
+    if json_path:
+        write_json(json_path, out)
+    return out
+
+
+def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str], json_path: str | None) -> dict:
+    """`--alternate K`: the overhead from steps with and without publishing inside the same
+    runs, K-step blocks apart, so the host's drift between runs (a pair of separate runs moved
+    by -3% to +16% on one afternoon here) does not enter the comparison."""
+    res = _run_alternate(tp, pp, steps, runs, k, extra)
+    on = [t for p in res["pairs"] for t in p[True]]
+    off = [t for p in res["pairs"] for t in p[False]]
+    a, b = statistics.median(on), statistics.median(off)
+    lo, hi = _bootstrap(res["pairs"])
+    out = {"benchmark": "overhead", "mode": f"alternate blocks of {k} steps", "tp": tp, "pp": pp, "steps": steps,
+           "runs": runs, "extra": extra, "median_step_ms_with": a, "median_step_ms_without": b,
+           "overhead": a / b - 1, "overhead_ci90": [lo, hi], "per_run_overhead": res["per_run"],
+           "block_pairs": len(res["pairs"]), "samples_with": len(on), "samples_without": len(off), "target": 0.05,
+           "machine": f"{os.cpu_count()} cores"}
+    print(f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {b:15.1f}\n{'with callback':>18} {a:15.1f}\n"
+          f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(on)}/{len(off)} steps in {len(res['pairs'])} "
+          f"pairs of {k}-step blocks, {runs} runs, TP {tp} x PP {pp} on CPU\n"
+          f"  90% interval over block pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per run: "
+          + " ".join(f"{100 * x:+.1f}%" for x in res["per_run"]))
     if json_path:
         write_json(json_path, out)
     return out

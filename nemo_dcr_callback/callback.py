@@ -27,6 +27,12 @@ except ImportError:  # pragma: no cover - pytorch_lightning-only installs
     from pytorch_lightning import Callback  # type: ignore[no-redef]
 
 
+# Benchmark instrumentation (`nemo-dcr bench overhead --alternate K`): publish only in every
+# other block of K steps, so that one run measures steps with and without the callback a few
+# seconds apart (host drift between separate runs is larger than the effect measured).
+ALTERNATE_ENV = "NEMO_DCR_BENCH_ALTERNATE"
+
+
 @dataclass
 class DCRConfig:
     """Every option of the callback (configs/dcr.yaml documents each one)."""
@@ -76,6 +82,7 @@ class DCRCallback(Callback):
         self.steps = 0
         self._offset = 0
         self._verifier = None
+        self._alternate = int(os.environ.get(ALTERNATE_ENV) or 0)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -144,6 +151,8 @@ class DCRCallback(Callback):
         self.steps += 1
         if self.publisher is None or self.steps % self.cfg.every_n_steps:
             return
+        if self._alternate and (batch_idx // self._alternate) % 2:
+            return  # bench overhead --alternate: an "off" block
         t0 = time.perf_counter()
         version = self._offset + self.steps
         st = self.publisher.publish(version)

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                           extra="Hydra overrides for both runs")
     bo.add_argument("--steps", type=_positive, default=30)
     bo.add_argument("--pairs", type=_positive, default=2)
+    bo.add_argument("--alternate", type=int, default=0, metavar="K",
+                    help="instead of runs with and without the callback: runs that publish in every other "
+                         "block of K steps, compared block by block (default 0: separate runs)")
 
     br = bsub.add_parser("refit", help="end-to-end refit over a tbf-shaped link: dense vs DCR via S3 (root)")
     br.add_argument("--params", type=_positive, default=1 << 29, help="synthetic BF16 parameters (default 0.5G: 1 GB)")
@@ -331,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(st, indent=2)) if args.json else print_stats(st)
         elif args.cmd == "bench" and args.bench == "overhead":
             from nemo_dcr_callback import bench_overhead
-            bench_overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra))
+            bench_overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra),
+                               alternate=args.alternate)
         elif args.cmd == "bench" and args.bench == "refit":
             from nemo_dcr_callback import bench_refit
             bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
