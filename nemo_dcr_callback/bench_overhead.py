@@ -7,6 +7,12 @@ so the callback's work and its background thread's contention are included). Whi
 run trains it reads /proc for the CPU of the trainers and of the callback's workers and the
 host's idle CPU, per step: on a host the training keeps busy, the overhead is the callback's
 CPU, and this shows whether the workers' share came from idle time or from the training.
+The overhead comes with a 90% bootstrap interval over the pairs of runs.
+
+`--alternate K` measures inside each run instead: the callback publishes only in every other
+block of K steps (NEMO_DCR_BENCH_ALTERNATE), and the blocks with it are compared with the
+blocks without it, seconds apart, so the host's drift between runs drops out (no CPU split
+by role in this mode).
 """
 
 from __future__ import annotations
