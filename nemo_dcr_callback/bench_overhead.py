@@ -138,6 +138,8 @@ def _bootstrap(runs: list[dict[bool, list[float]]], n: int = 2000, seed: int = 0
 def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int = 3, json_path: str | None = None,
         extra: list[str] | None = None, alternate: int = 0) -> dict:
     extra = extra or []
+    if alternate < 0:
+        raise ValueError(f"--alternate {alternate}: a block length (steps), or 0 for separate runs")
     if alternate:
         return run_alternate(tp, pp, steps, pairs, alternate, extra, json_path)
     runs: list[dict[bool, list[float]]] = []  # per pair: step times with / without
@@ -183,6 +185,10 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
     """`--alternate K`: the overhead from steps with and without publishing inside the same
     runs, K-step blocks apart, so the host's drift between runs (a pair of separate runs moved
     by -3% to +16% on one afternoon here) does not enter the comparison."""
+    if k < 3:
+        raise ValueError(f"--alternate {k}: blocks need at least 3 steps (the first 2 of each are left out)")
+    if steps < 3 * k:  # block 0 is start-up; a pair is an off block and the on block after it
+        raise ValueError(f"--steps {steps}: --alternate {k} needs at least {3 * k} steps per run")
     res = _run_alternate(tp, pp, steps, runs, k, extra)
     on = [t for p in res["pairs"] for t in p[True]]
     off = [t for p in res["pairs"] for t in p[False]]

@@ -25,3 +25,14 @@ def test_bootstrap_interval_holds_the_true_overhead_and_narrows_with_data():
     lo40, hi40 = _bootstrap(pairs(40))
     assert lo4 < 0.05 < hi4 and lo40 < 0.05 < hi40
     assert hi40 - lo40 < hi4 - lo4
+
+
+def test_alternate_refuses_blocks_and_runs_too_short_before_training():
+    import pytest
+
+    from nemo_dcr_callback.bench_overhead import run
+
+    for kw, msg in (({"alternate": 2}, "at least 3 steps"), ({"alternate": -1}, "block length"),
+                    ({"alternate": 6, "steps": 12}, "at least 18 steps")):
+        with pytest.raises(ValueError, match=msg):
+            run(**kw)
