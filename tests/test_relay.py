@@ -474,3 +474,48 @@ def test_a_write_through_in_flight_is_not_fetched_back_from_the_parent(tmp_path)
     st, got = asyncio.run(main())
     assert got == b'{"parts": []}'
     assert st["objects_in"] == 1 and st["puts"] == 1, st  # only VERSION.json came from the parent
+
+
+def test_a_listing_asked_with_or_without_a_trailing_slash_is_one_listing(tmp_path):
+    """`children("versions")` (a receiver's list of versions) and `children("versions/")` (the
+    watcher's) are the same listing in every store; a relay kept them apart, and the one the
+    watcher did not keep current went up the tree to the origin on every ask (on S3: about 50
+    listings a run at the root relay of the relay bench). In-process relay, watcher off, a
+    parent that counts what it is asked."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    origin.put("versions/0000000001/VERSION.json", b"{}")
+    asked: list[tuple[str, str]] = []
+
+    class Counting:
+        url = origin.url
+
+        def children(self, prefix):
+            asked.append(("children", prefix))
+            return origin.children(prefix)
+
+        def list(self, prefix):
+            asked.append(("list", prefix))
+            return origin.list(prefix)
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    async def main():
+        relay = Relay(Counting(), RelayConfig(token=TOKEN, poll_s=5.0, prefetch=False))
+        await relay.start()
+        try:
+            store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
+            run = asyncio.get_running_loop().run_in_executor
+            return [await run(None, f, p) for f, p in ((store.children, "versions/"), (store.children, "versions"),
+                                                       (store.list, "versions/0000000001"),
+                                                       (store.list, "versions/0000000001/"))]
+        finally:
+            await relay.stop()
+
+    got = asyncio.run(main())
+    assert got[0] == got[1] == ["0000000001"] and got[2] == got[3] == ["versions/0000000001/VERSION.json"]
+    assert asked == [("children", "versions"), ("list", "versions/0000000001")], asked

@@ -276,12 +276,15 @@ class Relay:
     def _watched(self, k: tuple[str, str]) -> bool:
         """Listings the watcher keeps current (and wakes long-polls on): served as they are."""
         return (self.cfg.prefetch and time.monotonic() - self.watch_alive < 2.0
-                and (k == ("children", "versions/") or (k[0] == "list" and k[1] in self.watched_dirs)))
+                and (k == ("children", "versions") or (k[0] == "list" and k[1] in self.watched_dirs)))
 
     async def listing(self, op: str, prefix: str, fresh: bool = False) -> list[str]:
         """The parent's list/children of prefix: what the watcher last saw for the versions it
         follows, else shared by every asker within poll_s (a child's poll never crosses the
-        link above on its own)."""
+        link above on its own). "versions" and "versions/" are one listing (every store lists
+        them alike): asked both ways, they were two, and the one the watcher did not keep went
+        up the tree to the origin every time (on S3, a receiver's list of versions)."""
+        prefix = prefix.rstrip("/")
         k = (op, prefix)
         hit = self.lists.get(k)
         if hit is not None and not fresh and (time.monotonic() - hit[0] < self.cfg.poll_s or self._watched(k)):
@@ -300,7 +303,8 @@ class Relay:
             if late - set(out):
                 out = sorted(set(out) | late)
             if hit is None or hit[1] != out:
-                diff = [n if op == "list" else prefix + n for n in set(out) ^ set(hit[1] if hit else ())]
+                diff = [n if op == "list" else f"{prefix}/{n}" if prefix else n
+                        for n in set(out) ^ set(hit[1] if hit else ())]
                 self._bump(*diff)
                 if not all(self._written_here(k) for k in diff):
                     self._upstream_news = True
@@ -341,7 +345,7 @@ class Relay:
         while True:
             self._upstream_news = False
             try:
-                versions = [v for v in await self.listing("children", "versions/", fresh=True) if v.isdigit()]
+                versions = [v for v in await self.listing("children", "versions", fresh=True) if v.isdigit()]
                 for v in versions[-3:]:
                     vd = f"versions/{v}"
                     if vd in self.done_versions:
