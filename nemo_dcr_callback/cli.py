@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--write-through-poll-ms", type=float, default=250.0,
                     help="the same while senders write through this relay (listings then only catch writes that "
                          "went around it)")
+    ry.add_argument("--passed-ttl-ms", type=float, default=2000.0,
+                    help="serve an ack or registration written through this relay from here for this long (a write "
+                         "of the same key that went around the relay shows after at most this)")
     ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
     ry.add_argument("--tls-cert", default=None)
     ry.add_argument("--tls-key", default=None)
@@ -304,7 +307,8 @@ def _relay(args) -> int:
     serve(parent, RelayConfig(host=host, port=port, token=token, name=args.name, cache_mb=args.cache_mb,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
-                              write_through_poll_s=args.write_through_poll_ms / 1e3, prefetch=not args.no_prefetch,
+                              write_through_poll_s=args.write_through_poll_ms / 1e3,
+                              passed_ttl_s=args.passed_ttl_ms / 1e3, prefetch=not args.no_prefetch,
                               tls_cert=args.tls_cert, tls_key=args.tls_key))
     return 0
 

@@ -519,3 +519,53 @@ def test_a_listing_asked_with_or_without_a_trailing_slash_is_one_listing(tmp_pat
     got = asyncio.run(main())
     assert got[0] == got[1] == ["0000000001"] and got[2] == got[3] == ["versions/0000000001/VERSION.json"]
     assert asked == [("children", "versions"), ("list", "versions/0000000001")], asked
+
+
+def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(tmp_path):
+    """The committer reads each ack right after a receiver wrote it through the relay: the
+    relay serves what it passed up (for passed_ttl_s) instead of a GET of the origin (on S3,
+    16 per version at the bench's root relay). A write of the same key that went around the
+    relay shows once that time is up. In-process relay; the parent counts its GETs."""
+    import asyncio
+    import time
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    key = "versions/0000000001/acks/rx-0.json"
+    gets: list[str] = []
+
+    class Counting:
+        url = origin.url
+
+        def get(self, k):
+            gets.append(k)
+            return origin.get(k)
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    async def main():
+        relay = Relay(Counting(), RelayConfig(token=TOKEN, prefetch=False, passed_ttl_s=0.5))
+        await relay.start()
+        try:
+            store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
+            run = asyncio.get_running_loop().run_in_executor
+            await run(None, store.put, key, b'{"ok": true}')
+            t_put = time.monotonic()
+            first = await run(None, store.get, key)
+            n_first = len(gets)
+            origin.put(key, b'{"ok": false}')  # around the relay (a receiver that failed over)
+            within = await run(None, store.get, key)
+            dt = time.monotonic() - t_put
+            await asyncio.sleep(0.6)
+            after = await run(None, store.get, key)
+            return first, n_first, within, dt, after
+        finally:
+            await relay.stop()
+
+    first, n_first, within, dt, after = asyncio.run(main())
+    assert first == b'{"ok": true}' and n_first == 0, gets  # served from the relay: the parent was not asked
+    if dt < 0.45:  # (a slow host may be past the TTL already)
+        assert within == b'{"ok": true}'
+    assert after == b'{"ok": false}' and gets[-1:] == [key]

@@ -73,6 +73,11 @@ class RelayConfig:
     # objects arrive here directly, and listing the parent only catches writes that went around
     # the relay (a sender's failover), so it is listed this rarely
     write_through_poll_s: float = 0.25
+    # a mutable object (an ack, a registration) written through this relay is served from here
+    # for this long: the committer reads each ack right after it is written, and that read then
+    # needs no round trip to the origin (on S3: 16 GETs per version at the root relay of the
+    # relay bench). A write of the same key that went around the relay shows after at most this.
+    passed_ttl_s: float = 2.0
     prefetch: bool = True  # pull new versions ahead of requests
     threads: int = 16  # concurrent upstream requests
     lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
@@ -179,6 +184,8 @@ class Relay:
         self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
         self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
         self.put_at: dict[str, float] = {}  # keys written through this relay -> when
+        # mutable objects (acks, registrations) written through this relay: (when, bytes, xxh3)
+        self.passed: dict[str, tuple[float, bytes, str]] = {}
         self.immutable_put_at = -1e9  # when a sender last wrote through this relay
         self.manifest_parts: dict[str, dict] = {}
         self.done_versions: set[str] = set()
@@ -233,7 +240,12 @@ class Relay:
         if hit is not None:
             self.stats["hits"] += 1
             return hit
-        if not mutable(key):
+        if mutable(key):
+            p = self.passed.get(key)
+            if p is not None and time.monotonic() - p[0] < self.cfg.passed_ttl_s:
+                self.stats["hits"] += 1
+                return p[1], p[2]
+        else:
             w = self.writing.get(key)
             if w is not None:  # being written through: held in a moment (unless the write fails)
                 await w.wait()
@@ -445,6 +457,8 @@ class Relay:
             if keep:
                 self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
                 self.immutable_put_at = time.monotonic()
+            else:
+                self._passed(key, data)
         finally:
             if w is not None and self.writing.get(key) is w:
                 del self.writing[key]
@@ -460,6 +474,13 @@ class Relay:
         if "/rank-" in key and key.endswith(".json"):
             for p in json.loads(data).get("parts", []):
                 self.manifest_parts[p["key"]] = p
+
+    def _passed(self, key: str, data: bytes) -> None:
+        """Keep a mutable object just written through this relay (served for passed_ttl_s)."""
+        now = time.monotonic()
+        if len(self.passed) > 4096:
+            self.passed = {k: p for k, p in self.passed.items() if now - p[0] < self.cfg.passed_ttl_s}
+        self.passed[key] = (now, data, xxhash.xxh3_64_hexdigest(data))
 
     def _announced(self, key: str) -> bool:
         """Is the key in a listing the watcher keeps (whose change woke the long-polls)? Then
