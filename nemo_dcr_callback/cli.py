@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--write-through-poll-ms", type=float, default=250.0,
                     help="the same while senders write through this relay (listings then only catch writes that "
                          "went around it)")
-    ry.add_argument("--passed-ttl-ms", type=float, default=2000.0,
+    ry.add_argument("--passed-ttl-ms", type=float, default=60000.0,
                     help="serve an ack or registration written through this relay from here for this long (a write "
                          "of the same key that went around the relay shows after at most this)")
     ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")

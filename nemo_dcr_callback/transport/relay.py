@@ -74,10 +74,14 @@ class RelayConfig:
     # the relay (a sender's failover), so it is listed this rarely
     write_through_poll_s: float = 0.25
     # a mutable object (an ack, a registration) written through this relay is served from here
-    # for this long: the committer reads each ack right after it is written, and that read then
-    # needs no round trip to the origin (on S3: 16 GETs per version at the root relay of the
-    # relay bench). A write of the same key that went around the relay shows after at most this.
-    passed_ttl_s: float = 2.0
+    # for this long: the committer reads each ack right after it is written and every
+    # registration at each version, and those reads then need no round trip to the origin (on
+    # S3: 24 GETs per version at the root relay of the relay bench). What the relay passed up is
+    # what the origin holds unless the same key was written around the relay since (a
+    # failover), which shows after at most this: acks are written once per receiver and
+    # version, and registrations, rewritten by their receiver every 30 s, are read for
+    # membership and liveness (600 s), which a copy this old does not change.
+    passed_ttl_s: float = 60.0
     prefetch: bool = True  # pull new versions ahead of requests
     threads: int = 16  # concurrent upstream requests
     lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
