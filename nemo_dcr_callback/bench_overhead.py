@@ -113,9 +113,24 @@ def _run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[
         if not ps:
             raise RuntimeError(f"no pair of blocks in {steps} steps with blocks of {k}: pass more --steps")
         pairs += ps
-        per_run.append(statistics.median(t for p in ps for t in p[True]) /
-                       statistics.median(t for p in ps for t in p[False]) - 1)
+        per_run.append(_overhead(ps))
     return {"pairs": pairs, "per_run": per_run}
+
+
+def _medians(pairs: list[dict[bool, list[float]]]) -> tuple[float, float]:
+    """Median step time with and without the callback, over every step of the pairs."""
+    return (statistics.median(t for p in pairs for t in p[True]),
+            statistics.median(t for p in pairs for t in p[False]))
+
+
+def _overhead(pairs: list[dict[bool, list[float]]]) -> float:
+    with_cb, without = _medians(pairs)
+    return with_cb / without - 1
+
+
+def _table(with_cb: float, without: float) -> str:
+    return (f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {without:15.1f}\n"
+            f"{'with callback':>18} {with_cb:15.1f}\n")
 
 
 def _bootstrap(runs: list[dict[bool, list[float]]], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -125,13 +140,7 @@ def _bootstrap(runs: list[dict[bool, list[float]]], n: int = 2000, seed: int = 0
     import random
 
     rng = random.Random(seed)
-    est = []
-    for _ in range(n):
-        pick = [rng.randrange(len(runs)) for _ in runs]
-        w = statistics.median(t for i in pick for t in runs[i][True])
-        wo = statistics.median(t for i in pick for t in runs[i][False])
-        est.append(w / wo - 1)
-    est.sort()
+    est = sorted(_overhead([runs[rng.randrange(len(runs))] for _ in runs]) for _ in range(n))
     return est[int(0.05 * (n - 1))], est[int(0.95 * (n - 1))]
 
 
@@ -151,10 +160,9 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
             times, c, _ = _run(tp, pp, steps, cb, extra, warmup)
             runs[-1][cb] = times[warmup:]
             cpu[cb].append(c)
-    with_cb = [t for r in runs for t in r[True]]
-    without = [t for r in runs for t in r[False]]
-    a, b = statistics.median(with_cb), statistics.median(without)
-    per_pair = [statistics.median(r[True]) / statistics.median(r[False]) - 1 for r in runs]
+    a, b = _medians(runs)
+    n_with, n_without = sum(len(r[True]) for r in runs), sum(len(r[False]) for r in runs)
+    per_pair = [_overhead([r]) for r in runs]
     lo, hi = _bootstrap(runs)
 
     def med(cb: bool) -> dict[str, float]:  # CPU ms per step by role, median over the runs
@@ -163,12 +171,11 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
 
     out = {"benchmark": "overhead", "tp": tp, "pp": pp, "steps": steps, "pairs": pairs, "extra": extra,
            "median_step_ms_with": a, "median_step_ms_without": b, "overhead": a / b - 1,
-           "samples_with": len(with_cb), "samples_without": len(without), "target": 0.05,
+           "samples_with": n_with, "samples_without": n_without, "target": 0.05,
            "per_pair_overhead": per_pair, "overhead_ci90": [lo, hi],
            "cpu_ms_per_step_with": med(True), "cpu_ms_per_step_without": med(False),
            "machine": f"{os.cpu_count()} cores"}
-    print(f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {b:15.1f}\n{'with callback':>18} {a:15.1f}\n"
-          f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(with_cb)}/{len(without)} steps, "
+    print(_table(a, b) + f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {n_with}/{n_without} steps, "
           f"TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per pair: "
           + " ".join(f"{100 * x:+.1f}%" for x in per_pair))
@@ -190,17 +197,16 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
     if steps < 3 * k:  # block 0 is start-up; a pair is an off block and the on block after it
         raise ValueError(f"--steps {steps}: --alternate {k} needs at least {3 * k} steps per run")
     res = _run_alternate(tp, pp, steps, runs, k, extra)
-    on = [t for p in res["pairs"] for t in p[True]]
-    off = [t for p in res["pairs"] for t in p[False]]
-    a, b = statistics.median(on), statistics.median(off)
-    lo, hi = _bootstrap(res["pairs"])
+    pairs = res["pairs"]
+    a, b = _medians(pairs)
+    n_on, n_off = sum(len(p[True]) for p in pairs), sum(len(p[False]) for p in pairs)
+    lo, hi = _bootstrap(pairs)
     out = {"benchmark": "overhead", "mode": f"alternate blocks of {k} steps", "tp": tp, "pp": pp, "steps": steps,
            "runs": runs, "extra": extra, "median_step_ms_with": a, "median_step_ms_without": b,
            "overhead": a / b - 1, "overhead_ci90": [lo, hi], "per_run_overhead": res["per_run"],
-           "block_pairs": len(res["pairs"]), "samples_with": len(on), "samples_without": len(off), "target": 0.05,
+           "block_pairs": len(pairs), "samples_with": n_on, "samples_without": n_off, "target": 0.05,
            "machine": f"{os.cpu_count()} cores"}
-    print(f"{'':>18} {'median step ms':>15}\n{'without callback':>18} {b:15.1f}\n{'with callback':>18} {a:15.1f}\n"
-          f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {len(on)}/{len(off)} steps in {len(res['pairs'])} "
+    print(_table(a, b) + f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {n_on}/{n_off} steps in {len(pairs)} "
           f"pairs of {k}-step blocks, {runs} runs, TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over block pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per run: "
           + " ".join(f"{100 * x:+.1f}%" for x in res["per_run"]))
