@@ -2,11 +2,10 @@
 
 Add it to a trainer (YAML: `trainer.callbacks: [{_target_: nemo_dcr_callback.DCRCallback, ...}]`)
 whose LightningModule trains a megatron-core model. After every `every_n_steps` optimizer steps
-it publishes a version: the delta kernel runs on this rank's shards before the next step
-mutates them (on CPU shards, with `overlap`, during the next step's forward and backward: its
-optimizer step waits for it), projection, encoding and upload run in a background worker with
-a memory budget and back-pressure; a background failure is raised in the training loop at the
-next step. Metrics (rank 0's) go to the trainer's logger under `dcr/`; every rank's per-version
+it publishes a version: the delta kernel runs at once on this rank's shards (before the next
+step mutates them), projection, encoding and upload run in a background thread with a memory
+budget and back-pressure; a background failure is raised in the training loop at the next
+step. Metrics (rank 0's) go to the trainer's logger under `dcr/`; every rank's per-version
 figures are written to the store (stats/rank-NNNNN.json) when training ends.
 
 The callback finds the Megatron model through `pl_module.dcr_model()` if the module defines
@@ -55,7 +54,6 @@ class DCRConfig:
     part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, as soon as full
     baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
-    overlap: bool = True  # CPU shards: the kernel runs during the next step's forward/backward
 
 
 class DCRCallback(Callback):
@@ -64,7 +62,7 @@ class DCRCallback(Callback):
                  zstd_level: int = 1, keyframe: bool = True, verify: bool = False, seal_timeout: float = 600.0,
                  commit_policy: str = "quorum", ack_timeout: float = 60.0, quorum: float = 0.5,
                  keyframe_every: int = 0, part_bytes: int = 4 << 20, baseline: str = "gpu", resume: bool = True,
-                 overlap: bool = True, **unknown):
+                 **unknown):
         if unknown:
             raise TypeError(f"DCRCallback: unknown options {sorted(unknown)} (see configs/dcr.yaml)")
         if every_n_steps < 1:
@@ -78,14 +76,12 @@ class DCRCallback(Callback):
             raise ValueError(f"DCRCallback: {exc}") from None
         self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
                              keyframe, verify, seal_timeout, commit_policy, ack_timeout, quorum, keyframe_every,
-                             part_bytes, baseline, resume, overlap)
+                             part_bytes, baseline, resume)
         self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)  # validates the options now
         self.publisher = None
         self.steps = 0
         self._offset = 0
         self._verifier = None
-        self._last_st = None  # rank 0: the previous version's stats (its kernel time)
-        self._unchecked: dict[int, dict] = {}  # verify: version -> its dense export, not yet checked
         self._alternate = int(os.environ.get(ALTERNATE_ENV) or 0)
 
     # ------------------------------------------------------------------ helpers
@@ -138,8 +134,7 @@ class DCRCallback(Callback):
         self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
                                    max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
                                    level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout, policy=self.policy,
-                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline, resume=resuming,
-                                   overlap=self.cfg.overlap)
+                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline, resume=resuming)
         self._offset = self.publisher.version_offset  # versions continue after the store's newest
         if resuming and self.cfg.verify and rank == 0:
             from nemo_dcr_callback.receiver import Follower
@@ -163,17 +158,13 @@ class DCRCallback(Callback):
         st = self.publisher.publish(version)
         if self.publisher.rank == 0:  # rank 0's figures (every rank's are in the store's stats/ at the end):
             # logging on every rank cost each rank about 1 ms a step, a sixth of the callback's own time
-            ks = st.kernel_s
-            if self.publisher.background:  # this kernel is still running: the previous one's time
-                ks = self._last_st.kernel_s if self._last_st is not None else 0.0
-            metrics = {"dcr/kernel_ms": 1e3 * ks, "dcr/publish_ms": 1e3 * (time.perf_counter() - t0)}
+            metrics = {"dcr/kernel_ms": 1e3 * st.kernel_s, "dcr/publish_ms": 1e3 * (time.perf_counter() - t0)}
             done = self.publisher.history[-1] if self.publisher.history else None
             if done is not None:
                 metrics.update({"dcr/change_rate": done.changed / max(done.params, 1),
                                 "dcr/bytes": float(done.bytes), "dcr/ratio": 2.0 * done.params / max(done.bytes, 1),
                                 "dcr/encode_ms": 1e3 * done.encode_s, "dcr/upload_ms": 1e3 * done.upload_s})
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-            self._last_st = st
         if self.cfg.verify:
             self._verify(version)
         elif self.cfg.keyframe_every and self.steps % (self.cfg.keyframe_every * self.cfg.every_n_steps) == 0:
@@ -193,11 +184,11 @@ class DCRCallback(Callback):
             commit.write_keyframe(self.publisher.store, version, exp, hf().to_json_string() if hf is not None else None)
 
     def _verify(self, version: int) -> None:
-        """Receiver-side check, on rank 0, against the dense export (a collective, taken now).
-        Versions are checked at the next one (or at the end), each right after the verifier
-        applies it, so a kernel overlaps the next step as it does without verify."""
+        """Receiver-side check, on rank 0, against the dense export (collective)."""
+        from nemo_dcr_callback.delta import bits
         from nemo_dcr_callback.placement import dense_export
 
+        self.publisher.flush()
         exp = dense_export(self._model_ref, self._family, self._vocab_n)
         if self._verifier is None:
             return
@@ -207,34 +198,17 @@ class DCRCallback(Callback):
 
         # For receivers elsewhere (nemo-dcr receive --verify) to compare with, too.
         self.publisher.store.put(commit.verify_key(version), save(exp))
-        self._unchecked[version] = {k: t.clone() for k, t in exp.items()}  # (some are views of the weights)
-        if version - 1 in self._unchecked:
-            self._check_through(version - 1)
-
-    def _check_through(self, version: int) -> None:
-        """Follow up to `version`, comparing each version applied with its dense export."""
-        from nemo_dcr_callback.delta import bits
-
         t0 = time.perf_counter()
-
-        def check(a) -> None:
-            exp = self._unchecked.pop(a.version, None)
-            if exp is None:
-                return
-            for name, ref in exp.items():
-                got = self._verifier.tensors[name]  # the verifier follows a plain state dict
-                if not torch.equal(bits(ref), bits(got)):
-                    raise RuntimeError(f"dcr verify: version {a.version}: tensor {name} differs from the dense export")
-            print(f"dcr: version {a.version}: receiver bit-exact with the dense export ({len(exp)} tensors, "
-                  f"follow+check {1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)
-
-        self._verifier.follow(until=version, timeout=self.cfg.seal_timeout, on_apply=check)
+        self._verifier.follow(until=version, timeout=self.cfg.seal_timeout)
+        for name, ref in exp.items():
+            got = self._verifier.tensors[name]  # the verifier follows a plain state dict
+            if not torch.equal(bits(ref), bits(got)):
+                raise RuntimeError(f"dcr verify: version {version}: tensor {name} differs from the dense export")
+        print(f"dcr: version {version}: receiver bit-exact with the dense export ({len(exp)} tensors, "
+              f"follow+check {1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.publisher is not None:
-            self.publisher.flush()
-            if self._unchecked:
-                self._check_through(max(self._unchecked))
             self.publisher.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:

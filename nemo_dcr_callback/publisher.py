@@ -6,8 +6,8 @@
         pub.publish(step)          # kernel now; projection, encoding, upload in the background
     pub.close()
 
-`publish` runs the delta kernel (it must see the weights before the next step mutates them)
-and hands the deltas to a background worker (a separate low-priority process
+`publish` runs the delta kernel synchronously (it must see the weights before the next step
+mutates them) and hands the deltas to a background worker (a separate low-priority process
 by default, so it never competes for the trainer's GIL; or a thread) that projects, encodes
 and uploads them, and on rank 0 seals each version once every rank's manifest is in the
 store (no collective). The queued deltas count against a memory budget: past it, `publish`
@@ -15,14 +15,6 @@ blocks until the worker catches up (back-pressure). A worker error is raised by 
 `publish`/`flush`/`close`, never dropped: the failed versions' deltas are undone (the
 trainer thread owns the baselines) so the next published version covers the gap (XOR deltas
 compose) and builds on the last version that was published.
-
-With `overlap=True` (the callback's default, CPU shards) the kernel itself leaves the step's
-critical path: `publish` starts it in a thread and returns, and the thread runs while the next
-step's forward and backward only read the weights. Every torch optimizer's `step` first waits
-for it (a global step pre-hook), so the weights are read before they change. The overlap
-starts only once an optimizer step has been seen between two publishes (until then, and in a
-loop that changes the weights some other way, the kernel runs synchronously, as before): the
-weights must change only through a torch optimizer's step (Megatron's optimizers step one).
 """
 
 from __future__ import annotations
@@ -34,7 +26,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import SparseDelta, undo
@@ -78,10 +69,6 @@ class _WorkerSpec:
     digests: dict[str, int]  # this rank's slice digests at base_version
     part_bytes: int = 4 << 20
 
-
-# Test instrumentation (tests/test_callback.py): seconds the overlapped kernel thread sleeps
-# before it reads the weights, so a step that did not wait for it would change them first.
-TAKE_DELAY_ENV = "NEMO_DCR_TAKE_DELAY"
 
 DECISION_POLL_S = 0.05  # how often ranks other than 0 look for a version's decision
 
@@ -305,7 +292,7 @@ class Publisher:
                  max_pending_bytes: int = 1 << 30, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
                  seal_timeout: float = 600.0, base_version: int = 0, worker: str = "process", nice: int = 19,
                  policy: commit.CommitPolicy | None = None, part_bytes: int = 4 << 20, baseline: str = "gpu",
-                 resume: bool = False, overlap: bool = False):
+                 resume: bool = False):
         import torch.distributed as dist
 
         self.store = open_store(store) if isinstance(store, str) else store
@@ -357,16 +344,6 @@ class Publisher:
         ready = self._results.get(timeout=300)
         if ready[0] != "ready":
             raise RuntimeError(f"nemo-dcr publisher worker did not start: {ready}")
-        # The overlapped kernel (CPU shards; CUDA shards run it on a side stream already).
-        self.overlap = overlap and not any(pm.param.is_cuda for pm in self.sender.active)
-        self.background = False  # on once an optimizer step was seen between two publishes
-        self._opt_steps = 0  # optimizer steps seen by the pre-hook
-        self._steps_at_publish: int | None = None
-        self._taking: threading.Thread | None = None
-        self._taken: tuple | None = None  # the thread's (version, taken, size, error)
-        self._last_size = 0
-        self._hook = (register_optimizer_step_pre_hook(self._before_optimizer_step)
-                      if self.overlap else None)
 
     def _resume(self, base_version: int) -> int:
         """A job restarted (from a training checkpoint, after a crash): rebase on the store's
@@ -392,109 +369,29 @@ class Publisher:
 
     # -------------------------------------------------------------- trainer side
     def publish(self, version: int) -> PublishStats:
-        """Take this step's delta and queue it as `version` (> the last one). With overlap on
-        (and an optimizer step seen since the last publish), the kernel runs in a thread that
-        the next optimizer step waits for; the stats' kernel_s is filled in when it ends."""
-        self.settle()
+        """Take this step's delta and queue it as `version` (> the last one)."""
         self._drain(block=False)
         self._raise()
         if version <= self.last_version:
             raise ValueError(f"version {version} is not after {self.last_version}")
-        if self.overlap and not self.background:
-            if self._steps_at_publish is not None and self._opt_steps > self._steps_at_publish:
-                self.background = True
-                if self.rank == 0:
-                    print("dcr: optimizer steps seen: the delta kernel now runs during the next step's forward "
-                          "and backward (each optimizer step waits for it)", flush=True)
-            self._steps_at_publish = self._opt_steps
-        st = PublishStats(version=version, base=self.last_version)
-        if self.background:  # back-pressure first (this version's size: about the last one's)
-            self._wait_for_room(self._last_size)
-            self._taking = threading.Thread(target=self._take_in_background, args=(version, st),
-                                            name="nemo-dcr-take", daemon=True)
-            self.last_version = version
-            self._taking.start()
-            return st
-        taken, payload, size = self._take(version, st)
-        self._wait_for_room(size)
-        self._raise()
-        self._queue(version, st, taken, payload, size)
-        return st
-
-    def _take(self, version: int, st: PublishStats, keep: list | None = None) -> tuple[list, tuple, int]:
-        """The kernel pass (the baselines move now; the undo log restores them on abort or
-        failure; `keep` gets the deltas at once, for an undo if the packing fails) and the
-        deltas packed for the worker."""
         t0 = time.perf_counter()
         taken = self.sender.take()
-        self.sender.commit()
-        if keep is not None:
-            keep.append(taken)
-        st.kernel_s = time.perf_counter() - t0
+        self.sender.commit()  # the baseline moves now; the undo log below restores it on abort or failure
+        st = PublishStats(version=version, base=self.last_version, kernel_s=time.perf_counter() - t0)
         payload = _pack(self._index, taken, self._shm, version)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
-        self._last_size = size
-        return taken, payload, size
-
-    def _queue(self, version: int, st: PublishStats, taken: list, payload: tuple, size: int) -> None:
-        self._inflight[version] = (taken, size)
-        self._pending += size
-        self._jobs.put(("job", version, st.base, payload, st))
-        self.last_version = version
-
-    def _wait_for_room(self, size: int) -> None:
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
             self._drain(block=True, timeout=1.0)  # back-pressure
-
-    def _take_in_background(self, version: int, st: PublishStats) -> None:
-        """The thread: the kernel and the packing, then the job goes to the worker at once (its
-        undo log is registered by settle(), before any report of the worker is read)."""
-        keep: list = []
-        try:
-            delay = float(os.environ.get(TAKE_DELAY_ENV) or 0)
-            if delay:
-                time.sleep(delay)
-            taken, payload, size = self._take(version, st, keep)
-            self._jobs.put(("job", version, st.base, payload, st))
-            self._taken = (version, taken, size, None)
-        except BaseException as exc:  # noqa: BLE001 - raised in the training loop by settle()
-            self._taken = (version, keep[0] if keep else None, 0, exc)
-
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """Every torch optimizer's step pre-hook: the weights change next, so the kernel ends first."""
-        self._opt_steps += 1
-        t = self._taking
-        if t is not None:
-            t.join()
-
-    def settle(self) -> None:
-        """Wait for the kernel thread and register its version (or raise what it raised, with
-        what it took undone: the job never reached the worker)."""
-        t = self._taking
-        if t is None:
-            return
-        t.join()
-        self._taking = None
-        version, taken, size, exc = self._taken
-        self._taken = None
-        if exc is None:
-            self._inflight[version] = (taken, size)
-            self._pending += size
-            return
-        if taken:
-            for pm, d in reversed(taken):
-                undo(self.sender.baselines[pm.name], d)
-        elif self.sender._undo:  # the kernel failed part way
-            self.sender.abort()
-        if self._shm is not None:
-            self._shm.release(version)
-        self.last_version = max([self.last_committed, *self._inflight])
-        raise RuntimeError(f"nemo-dcr publisher failed: version {version}: {type(exc).__name__}: {exc}") from exc
+        self._raise()
+        self._inflight[version] = (taken, size)
+        self._pending += size
+        self._jobs.put(("job", version, self.last_version, payload, st))
+        self.last_version = version
+        return st
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is decided (committed or aborted)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.settle()
         while len(self._failed) < len(self._inflight):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("publisher flush timed out")
@@ -509,11 +406,6 @@ class Publisher:
         try:
             self.flush()
         finally:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-            if self._taking is not None:
-                self._taking.join()
             self._jobs.put(None)
             self._worker.join(timeout=30)
             if self._shm is not None:

@@ -373,7 +373,6 @@ def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path):
     assert p.returncode == 0, out[-4000:]
     assert "baselines restored bit-exact on 2 ranks" in out, out[-3000:]
     assert "receiver bit-exact with the dense export at version 3" in out, out[-3000:]
-    assert "versions published with the kernel overlapped" in out, out[-3000:]
     store = seaweed.store("training-abort")
     assert commit.read_decision(store, 1)["decision"] == "abort"
     assert commit.read_decision(store, 2)["decision"] == "commit" and commit.read_record(store, 2)["base"] == 0
