@@ -529,6 +529,55 @@ def test_a_listing_asked_with_or_without_a_trailing_slash_is_one_listing(tmp_pat
     assert asked == [("children", "versions"), ("list", "versions/0000000001")], asked
 
 
+def test_a_record_is_pulled_at_once_not_queued_behind_the_parts(tmp_path):
+    """The watcher pulls parts a few at a time; a version's record (small) written while they
+    cross a slow link must be pulled at once: receivers apply nothing of a version until they
+    see its record. It used to wait until every part listed before it had arrived (in the
+    relay bench, about 100 ms per version). In-process relay, a parent whose part downloads
+    take 0.4 s each (a slow link)."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    states = _states(1, n=8)
+    _write_ranks(origin, 1, states[0], states[1], part_bytes=1)  # one part per chunk
+    parts = [k for k in origin.list("versions") if k.endswith(".dcr")]
+    assert len(parts) >= 6
+    asked: list[str] = []
+
+    class SlowParts:
+        url = origin.url
+
+        def get(self, key):
+            if key.endswith(".dcr"):
+                asked.append(key)
+                time.sleep(0.4)
+            return origin.get(key)
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    record = commit.version_record(1)
+
+    async def main():
+        relay = Relay(SlowParts(), RelayConfig(token=TOKEN, poll_s=0.005))
+        await relay.start()
+        try:
+            while not asked:  # the parts are on their way
+                await asyncio.sleep(0.005)
+            commit.seal_version(origin, 1, 0, 2, timeout=5)
+            t0 = time.monotonic()
+            while record not in relay.cache and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.005)
+            return time.monotonic() - t0, sum(p not in relay.cache for p in parts)
+        finally:
+            await relay.stop()
+
+    held_after, parts_missing = asyncio.run(main())
+    assert held_after < 0.3 and parts_missing >= 4, (held_after, parts_missing)
+
+
 def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(tmp_path):
     """The committer reads each ack right after a receiver wrote it through the relay: the
     relay serves what it passed up (for passed_ttl_s) instead of a GET of the origin (on S3,

@@ -349,13 +349,27 @@ class Relay:
 
     async def watch(self) -> None:
         """Pull every new object of the newest versions as soon as the parent has it, parts in
-        order and a few at a time (so the first parts arrive, and flow on, first)."""
+        order and a few at a time (so the first parts arrive, and flow on, first). The pulls
+        run as tasks: the watcher goes on listing the parent meanwhile, and a manifest, record
+        or decision (small) is pulled at once, not queued behind the parts on the link (a
+        version's record waited there for the last parts, and receivers applied nothing until
+        it came)."""
         self._parent_gen = 0
         lanes = asyncio.Semaphore(self.cfg.lanes)
+        pulling: set[str] = set()
+        tasks: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
 
         async def pull(k: str) -> None:
-            async with lanes:
-                await self.fetch(k)
+            try:
+                if k.endswith(".json"):
+                    await self.fetch(k)
+                else:
+                    async with lanes:  # FIFO: parts in the order they were listed
+                        await self.fetch(k)
+            except (OSError, KeyError, VerifyError):
+                pass  # counted; asked again next round, or by a child (which then sees the error)
+            finally:
+                pulling.discard(k)
 
         pause = self.cfg.poll_s
         while True:
@@ -368,11 +382,15 @@ class Relay:
                         continue
                     keys = [k for k in await self.listing("list", vd, fresh=True) if not mutable(k)]
                     self.watched_dirs.add(vd)
-                    todo = [k for k in keys if k not in self.cache and k not in self.inflight and k not in self.writing]
+                    todo = [k for k in keys if k not in self.cache and k not in self.inflight
+                            and k not in self.writing and k not in pulling]
                     # manifests and records first: parts are then checked against them too
                     todo.sort(key=lambda k: (not k.endswith(".json"), k))
-                    if todo:
-                        await asyncio.gather(*(pull(k) for k in todo), return_exceptions=True)
+                    for k in todo:
+                        pulling.add(k)
+                        t = asyncio.create_task(pull(k))
+                        tasks.add(t)
+                        t.add_done_callback(tasks.discard)
                     if f"{vd}/DECISION.json" in self.cache:
                         self.done_versions.add(vd)
                 self.watch_alive = time.monotonic()
