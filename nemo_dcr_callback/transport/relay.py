@@ -366,8 +366,8 @@ class Relay:
                 else:
                     async with lanes:  # FIFO: parts in the order they were listed
                         await self.fetch(k)
-            except (OSError, KeyError, VerifyError):
-                pass  # counted; asked again next round, or by a child (which then sees the error)
+            except Exception:  # noqa: BLE001 - counted by fetch; asked again next round, or by a child
+                pass  # (which then gets the error); also the pool shut down under a stopping relay
             finally:
                 pulling.discard(k)
 
