@@ -208,6 +208,8 @@ class Relay:
         self._upstream_news = False  # a parent listing showed keys not written through this relay
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._watcher: asyncio.Task | None = None
+        self._pulls: set[asyncio.Task] = set()  # the watcher's pulls under way
 
     def _bump(self, *keys: str) -> None:
         """Something new is here: the keys that changed (none: not known which)."""
@@ -357,7 +359,7 @@ class Relay:
         self._parent_gen = 0
         lanes = asyncio.Semaphore(self.cfg.lanes)
         pulling: set[str] = set()
-        tasks: set[asyncio.Task] = set()  # (held: the loop keeps only weak references to tasks)
+        tasks = self._pulls  # (held: the loop keeps only weak references to tasks)
 
         async def pull(k: str) -> None:
             try:
@@ -581,6 +583,10 @@ class Relay:
             self._watcher = asyncio.create_task(self.watch())
 
     async def stop(self) -> None:
+        tasks = [t for t in (self._watcher, *self._pulls) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.runner:
             await self.runner.cleanup()
         self.pool.shutdown(wait=False, cancel_futures=True)
