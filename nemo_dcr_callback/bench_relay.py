@@ -179,7 +179,8 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
 
 # ------------------------------------------------------------------ the run
 def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 5,
-        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed") -> dict:
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed",
+        rounds: int = 1) -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic
@@ -210,11 +211,12 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         print(f"2 regions x {per_region} receivers, inter-region links {mbit:.0f} Mbit/s each (tbf), model "
               f"{dense_bytes / 1e9:.2f} GB BF16, change {100 * rate:.0f}%, S3 = SeaweedFS at {s3.endpoint}", flush=True)
 
-        def scenario(name: str, regions: dict[str, int]) -> dict:
+        def scenario(name: str, regions: dict[str, int], tag: str | None = None) -> dict:
             nonlocal cur
-            prefix = f"{s3.bucket}/{name}"
-            store = s3.store(name)
-            init = work / f"init-{name}.safetensors"
+            tag = tag or name  # a round after the first gets a store prefix of its own
+            prefix = f"{s3.bucket}/{tag}"
+            store = s3.store(tag)
+            init = work / f"init-{tag}.safetensors"
             save_file(cur, str(init))
             procs: list[JsonProc] = []
             rx: list[JsonProc] = []
@@ -246,7 +248,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                             sys.executable, "-m", "nemo_dcr_callback.bench_relay", "receiver", "--url", url,
                             "--dense-url", s3.url(prefix), "--init", str(init), "--id", f"{region}-{i}",
                             "--versions", "0" if name == "dense-s3" else str(versions), "--apply", apply]),
-                            env, work / f"rx-{name}-{region}-{i}.log"))
+                            env, work / f"rx-{tag}-{region}-{i}.log"))
                 cpu = [r.next(120).get("cpu_s", 0.0) for r in rx]
                 procs += rx
                 before = {k: link.tx_rx() for k, link in links.items()}
@@ -349,6 +351,10 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
 
         for name in [n for n in scenarios if n != "loopback"]:
             scenario(name, layouts[name])
+        for r in range(1, rounds):  # the DCR scenarios again, in turn: the host drifts between them
+            for name in [n for n in scenarios if n not in ("loopback", "dense-s3")]:
+                scenario(name, layouts[name], f"{name}-round{r + 1}")
+        scen_rows = _merge_rounds(scen_rows)
     tput = None
     if "loopback" in scenarios:
         print("  relay serving rate on loopback ...", flush=True)
@@ -369,6 +375,9 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         print(f"{r['scenario']:<12} {r['receivers']:>4} {r['time_s']:8.2f} {r['bytes_per_version'] / 1e6:11.2f} "
               f"{lb['a'] / 1e6:10.2f} {lb['b'] / 1e6:10.2f} {'' if xp is None else f'{xp:11.2f}x':>12} "
               f"{'' if cpu is None else f'{cpu:11.2f}'}")
+    if both and rounds > 1:
+        print("per round: " + ", ".join(f"{a:.2f} vs {b:.2f} s = {a / b:.2f}x" for a, b in zip(
+            by["dcr-relay"]["round_time_s"], by["dcr-relay-1"]["round_time_s"], strict=True)))
     if both:
         print(f"relay tree: all {2 * per_region} receivers in {by['dcr-relay']['time_s']:.2f} s vs one in "
               f"{by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
@@ -381,6 +390,31 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     if json_path:
         write_json(json_path, res)
     return res
+
+
+def _merge_rounds(results: list[dict]) -> list[dict]:
+    """One result per scenario: the versions of every round together (medians over all of
+    them), with each round's median time kept as round_time_s."""
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["scenario"], []).append(r)
+    out = []
+    for rs in by.values():
+        if len(rs) == 1 or "rows" not in rs[0]:
+            out.append({**rs[0], "round_time_s": [r["time_s"] for r in rs]})
+            continue
+        rows = [{**row, "round": i} for i, r in enumerate(rs) for row in r["rows"]]
+        link = {k: statistics.median(r["link_bytes_per_version"][k] for r in rs)
+                for k in rs[0]["link_bytes_per_version"]}
+        payload = statistics.median(row["delta_bytes"] for row in rows)
+        out.append({**rs[0], "rows": rows, "bit_exact": all(r["bit_exact"] for r in rs),
+                    "time_s": statistics.median(row["last_s"] for row in rows),
+                    "first_s": statistics.median(row["first_s"] for row in rows),
+                    "receiver_cpu_s": statistics.median(row["receiver_cpu_s"] for row in rows),
+                    "bytes_per_version": payload, "link_bytes_per_version": link,
+                    "link_x_payload": {k: b / payload for k, b in link.items()},
+                    "round_time_s": [r["time_s"] for r in rs]})
+    return out
 
 
 if __name__ == "__main__":

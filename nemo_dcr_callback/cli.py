@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed",
                     help="receivers apply the parts held once the version is sealed, before acking (sealed, the "
                          "default, as in bench refit), after the commit (late), or as parts arrive (early)")
+    bl.add_argument("--rounds", type=_positive, default=1,
+                    help="run the DCR scenarios this many times, in turn (medians over every round's versions; "
+                         "the host drifts between scenarios)")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
-                            scenarios=args.scenarios.split(","), apply=args.apply)
+                            scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds)
         elif args.cmd == "relay":
             return _relay(args)
         elif args.cmd == "plan":
