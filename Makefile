@@ -64,7 +64,7 @@ bench: setup
 bench-refit: setup
 	$(BIN)/nemo-dcr bench refit --json benchmarks/results/refit.json
 
-# Needs root: 2 regions x 4 receivers behind tbf-shaped links; dense/DCR via S3 vs the relay tree (~4 min).
+# Needs root: 2 regions x 4 receivers behind tbf-shaped links; dense/DCR via S3 vs the relay tree, the DCR ones 3 times in turn (~6 min).
 bench-relay: setup
 	$(BIN)/nemo-dcr bench relay --rounds 3 --json benchmarks/results/relay.json
 
