@@ -578,6 +578,39 @@ def test_a_record_is_pulled_at_once_not_queued_behind_the_parts(tmp_path):
     assert held_after < 0.3 and parts_missing >= 4, (held_after, parts_missing)
 
 
+def test_a_kept_alive_connection_the_relay_closed_is_replaced(tmp_path):
+    """The client keeps one connection per thread. When the relay closes it meanwhile (here:
+    the relay restarts on the same port), the next request goes over a new connection instead
+    of failing (and is never sent twice). In-process relays; one client thread."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    origin.put("a/x", b"first")
+    client = ThreadPoolExecutor(1)
+
+    async def main():
+        run = asyncio.get_running_loop().run_in_executor
+        relay = Relay(origin, RelayConfig(token=TOKEN, prefetch=False))
+        await relay.start()
+        store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
+        got = [await run(client, store.get, "a/x")]
+        port = relay.port
+        await relay.stop()
+        origin.put("a/y", b"second")
+        relay = Relay(origin, RelayConfig(token=TOKEN, port=port, prefetch=False))
+        await relay.start()
+        try:
+            got.append(await run(client, store.get, "a/y"))
+        finally:
+            await relay.stop()
+        return got
+
+    assert asyncio.run(main()) == [b"first", b"second"]
+
+
 def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(tmp_path):
     """The committer reads each ack right after a receiver wrote it through the relay: the
     relay serves what it passed up (for passed_ttl_s) instead of a GET of the origin (on S3,

@@ -359,7 +359,6 @@ class Relay:
         self._parent_gen = 0
         lanes = asyncio.Semaphore(self.cfg.lanes)
         pulling: set[str] = set()
-        tasks = self._pulls  # (held: the loop keeps only weak references to tasks)
 
         async def pull(k: str) -> None:
             try:
@@ -391,8 +390,8 @@ class Relay:
                     for k in todo:
                         pulling.add(k)
                         t = asyncio.create_task(pull(k))
-                        tasks.add(t)
-                        t.add_done_callback(tasks.discard)
+                        self._pulls.add(t)  # (held: the loop keeps only weak references to tasks)
+                        t.add_done_callback(self._pulls.discard)
                     if f"{vd}/DECISION.json" in self.cache:
                         self.done_versions.add(vd)
                 self.watch_alive = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import ssl
 import sys
 import threading
@@ -68,32 +69,31 @@ class RelayStore:
         c.sock.settimeout(self.read_timeout)  # 3 s to connect, then the read timeout
         return c
 
-    def _send(self, method: str, path: str, body: bytes | None) -> _Response:
-        """One request; a kept-alive connection the relay closed meanwhile is replaced once
-        (it failed before the request was read: nothing was done twice)."""
+    def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection; a kept-alive one the relay closed meanwhile (its socket
+        reads as ready while idle) is replaced before the request, never retried after it."""
         c = getattr(self._local, "conn", None)
-        fresh = c is None
-        for attempt in (0, 1):
-            if c is None:
-                c = self._local.conn = self._connect()
-            try:
-                c.request(method, path, body=body, headers=self.headers)
-                r = c.getresponse()
-                data = r.read()
-                if r.will_close:
-                    c.close()
-                    self._local.conn = None
-                return _Response(r.status, data, r.headers)
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                c.close()
-                c = self._local.conn = None
-                if fresh or attempt:
-                    raise
-            except BaseException:
-                c.close()
-                self._local.conn = None
-                raise
-        raise AssertionError("unreachable")
+        if c is not None and (c.sock is None or select.select([c.sock], [], [], 0)[0]):
+            c.close()
+            c = None
+        if c is None:
+            c = self._local.conn = self._connect()
+        return c
+
+    def _send(self, method: str, path: str, body: bytes | None) -> _Response:
+        c = self._conn()
+        try:
+            c.request(method, path, body=body, headers=self.headers)
+            r = c.getresponse()
+            data = r.read()
+        except BaseException:
+            c.close()
+            self._local.conn = None
+            raise
+        if r.will_close:
+            c.close()
+            self._local.conn = None
+        return _Response(r.status, data, r.headers)
 
     def _req(self, method: str, path: str, body: bytes | None = None, fields: dict | None = None) -> _Response:
         if fields:
