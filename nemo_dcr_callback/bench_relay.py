@@ -338,14 +338,8 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                        "link_bytes_per_version": link_bytes, "bit_exact": exact}
                 print(f"  {name}: last of {len(rx)} receivers loaded {dense_last:.1f} s after the step", flush=True)
             else:
-                link_bytes = {k: (after[k][0] - before[k][0]) / nv for k in links}
-                payload = statistics.median(r["delta_bytes"] for r in rows)
-                res = {"scenario": name, "receivers": len(rx), "rows": rows, "bit_exact": exact,
-                       "time_s": statistics.median(r["last_s"] for r in rows),
-                       "first_s": statistics.median(r["first_s"] for r in rows),
-                       "receiver_cpu_s": statistics.median(r["receiver_cpu_s"] for r in rows),
-                       "bytes_per_version": payload, "link_bytes_per_version": link_bytes,
-                       "link_x_payload": {k: b / payload for k, b in link_bytes.items()}}
+                res = {"scenario": name, "receivers": len(rx), "bit_exact": exact,
+                       **_dcr_summary(rows, {k: (after[k][0] - before[k][0]) / nv for k in links})}
             scen_rows.append(res)
             return res
 
@@ -392,6 +386,16 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     return res
 
 
+def _dcr_summary(rows: list[dict], link_bytes: dict[str, float]) -> dict:
+    """A DCR scenario's figures: medians over its versions, bytes on each link per version."""
+    payload = statistics.median(r["delta_bytes"] for r in rows)
+    return {"rows": rows, "time_s": statistics.median(r["last_s"] for r in rows),
+            "first_s": statistics.median(r["first_s"] for r in rows),
+            "receiver_cpu_s": statistics.median(r["receiver_cpu_s"] for r in rows),
+            "bytes_per_version": payload, "link_bytes_per_version": link_bytes,
+            "link_x_payload": {k: b / payload for k, b in link_bytes.items()}}
+
+
 def _merge_rounds(results: list[dict]) -> list[dict]:
     """One result per scenario: the versions of every round together (medians over all of
     them), with each round's median time kept as round_time_s."""
@@ -406,13 +410,7 @@ def _merge_rounds(results: list[dict]) -> list[dict]:
         rows = [{**row, "round": i} for i, r in enumerate(rs) for row in r["rows"]]
         link = {k: statistics.median(r["link_bytes_per_version"][k] for r in rs)
                 for k in rs[0]["link_bytes_per_version"]}
-        payload = statistics.median(row["delta_bytes"] for row in rows)
-        out.append({**rs[0], "rows": rows, "bit_exact": all(r["bit_exact"] for r in rs),
-                    "time_s": statistics.median(row["last_s"] for row in rows),
-                    "first_s": statistics.median(row["first_s"] for row in rows),
-                    "receiver_cpu_s": statistics.median(row["receiver_cpu_s"] for row in rows),
-                    "bytes_per_version": payload, "link_bytes_per_version": link,
-                    "link_x_payload": {k: b / payload for k, b in link.items()},
+        out.append({**rs[0], "bit_exact": all(r["bit_exact"] for r in rs), **_dcr_summary(rows, link),
                     "round_time_s": [r["time_s"] for r in rs]})
     return out
 
