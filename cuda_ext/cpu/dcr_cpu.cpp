@@ -881,12 +881,13 @@ static int64_t encode_xor_t(const I* pos, const T* v, const T* nv, int64_t count
     tok[i] = static_cast<uint8_t>(z >= T(255) ? 255 : z);
     esc[ne] = z;
     ne += z >= T(255);
-    if (dig) {
-      before += dcr_term(static_cast<uint64_t>(p), static_cast<T>(b ^ x));
-      after += dcr_term(static_cast<uint64_t>(p), b);
-    }
   }
-  if (dig) {
+  if (dig) {  // a loop of its own: the compiler vectorizes its multiplies (8 lanes with AVX-512)
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t pk = static_cast<uint64_t>(static_cast<int64_t>(pos[i])) * 0xD6E8FEB86659FD93ull;
+      before += dcr_mix64(pk ^ static_cast<T>(nv[i] ^ v[i]));
+      after += dcr_mix64(pk ^ nv[i]);
+    }
     dig[0] += before;
     dig[1] += after;
   }
