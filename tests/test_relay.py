@@ -659,3 +659,96 @@ def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(t
     if dt < 0.45:  # (a slow host may be past the TTL already)
         assert within == b'{"ok": true}'
     assert after == b'{"ok": false}' and gets[-1:] == [key]
+
+
+def test_a_child_relay_pulls_what_its_parent_announces_without_listing_it(tmp_path, relays):
+    """Under a relay, the long-poll's answer names the new objects and the watcher pulls them
+    at once: it used to list the parent (children, then the version folder) after every
+    wake-up first, and on a shaped link those listings queued behind the part bytes on it
+    (20-45 ms per part in the relay bench, with the link idle meanwhile). A root relay
+    process over a file:// origin; an in-process child whose parent counts its listings."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    root = relays(origin.url, "root")
+    states = _states(1, n=6)
+    sender = FileStore(tmp_path / "staging")  # the parts, written first here, then through the root
+    _write_ranks(sender, 1, states[0], states[1], world=1, part_bytes=1)
+    keys = sorted(k for k in sender.list("versions") if k.endswith(".dcr"))
+    assert len(keys) >= 4
+    up = RelayStore(root.url, token=TOKEN)
+    up.put(keys[0], sender.get(keys[0]))  # version 1 exists before the child starts
+    listed: list[str] = []
+
+    class Counting:
+        url = root.url
+
+        def list(self, prefix):
+            listed.append(prefix)
+            return up.list(prefix)
+
+        def __getattr__(self, name):
+            return getattr(up, name)
+
+    async def main():
+        child = Relay(Counting(), RelayConfig(token=TOKEN, poll_s=0.005, write_through_poll_s=30.0))
+        await child.start()
+        try:
+            t0 = time.monotonic()
+            while keys[0] not in child.cache and time.monotonic() - t0 < 10:
+                await asyncio.sleep(0.005)
+            assert keys[0] in child.cache
+            await asyncio.sleep(0.3)  # settled: version 1 watched
+            before, lags = len(listed), []
+            for k in keys[1:]:
+                await asyncio.get_running_loop().run_in_executor(None, up.put, k, sender.get(k))
+                t0 = time.monotonic()
+                while k not in child.cache and time.monotonic() - t0 < 10:
+                    await asyncio.sleep(0.002)
+                lags.append(time.monotonic() - t0)
+                assert k in await child.listing("list", "versions/0000000001")  # listed to its children
+            return listed[before:], lags
+        finally:
+            await child.stop()
+
+    lists, lags = asyncio.run(main())
+    assert max(lags) < 1.0, lags
+    assert lists == [], f"the child listed the parent {len(lists)} times for {len(keys) - 1} announced parts"
+
+
+def test_the_news_feed_names_keys_or_says_list(tmp_path):
+    """Relay.changed_since: the keys after a generation, oldest first (acks left out for a
+    data-only waiter); None (list instead) where the log cannot say: before its start, after a
+    change of unknown keys, after something disappeared from a listing."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    a, b = "versions/0000000001/rank-00000/part-000000.dcr", "versions/0000000001/rank-00000/part-000001.dcr"
+    ack = commit.ack_key(1, "w1")
+
+    async def main():
+        relay = Relay(origin, RelayConfig(prefetch=False))
+        g0 = relay.gen
+        relay._bump(a)
+        relay._bump(ack)
+        relay._bump(b)
+        out = [relay.changed_since(g0, True), relay.changed_since(g0, False), relay.changed_since(relay.gen, True),
+               relay.changed_since(g0 - 1, True)]
+        origin.put(a, b"x")
+        await relay.listing("list", "versions/0000000001", fresh=True)
+        g1 = relay.gen
+        origin.delete([a])
+        await relay.listing("list", "versions/0000000001", fresh=True)  # a is gone
+        out.append(relay.changed_since(g1, True))
+        g2 = relay.gen
+        relay._bump()  # something changed, not known what
+        out.append(relay.changed_since(g2, True))
+        return out
+
+    data, every, none_new, before_start, gone, unknown = asyncio.run(main())
+    assert data == [a, b] and every == [a, ack, b] and none_new == []
+    assert before_start is None and gone is None and unknown is None

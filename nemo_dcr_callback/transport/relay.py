@@ -204,6 +204,7 @@ class Relay:
         self._fault = _Fault(cfg.fault)
         self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
         self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
+        self._log_floor = self.gen  # the log holds every change after this generation
         self._changed = asyncio.Event()
         self._upstream_news = False  # a parent listing showed keys not written through this relay
         self.runner: web.AppRunner | None = None
@@ -215,6 +216,8 @@ class Relay:
         """Something new is here: the keys that changed (none: not known which)."""
         self.gen += 1
         for k in keys or (None,):
+            if len(self.changes) == self.changes.maxlen:
+                self._log_floor = self.changes[0][0]  # (dropped next: its generation is incomplete now)
             self.changes.append((self.gen, k))
         self._changed.set()
         self._changed = asyncio.Event()
@@ -231,7 +234,23 @@ class Relay:
                 return False
             if key is None or not mutable(key):
                 return True
-        return True  # the log does not reach back that far: say yes
+        return known < self._log_floor  # the log does not reach back that far: say yes
+
+    def changed_since(self, known: int, data_only: bool) -> list[str] | None:
+        """The keys that appeared here after generation `known`, oldest first (data_only:
+        immutable ones only); None when the log cannot say (it does not reach back that far,
+        or a change was of unknown keys, or something disappeared): then list."""
+        if known < self._log_floor:
+            return None
+        out = []
+        for g, key in reversed(self.changes):
+            if g <= known:
+                break
+            if key is None:
+                return None
+            if not (data_only and mutable(key)):
+                out.append(key)
+        return out[::-1]
 
     # ------------------------------------------------------------ upstream
     async def _up(self, fn, *args):
@@ -321,10 +340,13 @@ class Relay:
             if late - set(out):
                 out = sorted(set(out) | late)
             if hit is None or hit[1] != out:
-                diff = [n if op == "list" else f"{prefix}/{n}" if prefix else n
-                        for n in set(out) ^ set(hit[1] if hit else ())]
-                self._bump(*diff)
-                if not all(self._written_here(k) for k in diff):
+                old = set(hit[1] if hit else ())
+                diff = [n if op == "list" else f"{prefix}/{n}" if prefix else n for n in set(out) - old]
+                if diff:
+                    self._bump(*diff)
+                if old - set(out):  # something went (a collected version): the news feed says "list"
+                    self._bump()
+                if not all(self._written_here(k) for k in diff) or old - set(out):
                     self._upstream_news = True
             self.lists[k] = (t, out)
             return out
@@ -355,7 +377,14 @@ class Relay:
         run as tasks: the watcher goes on listing the parent meanwhile, and a manifest, record
         or decision (small) is pulled at once, not queued behind the parts on the link (a
         version's record waited there for the last parts, and receivers applied nothing until
-        it came)."""
+        it came).
+
+        Under a relay, the long-poll's answer names the new keys (Relay.changed_since): a new
+        object of a version being pulled is pulled at once, without listing the parent first.
+        Those listings crossed the link behind the part bytes queued on it, and cost 20-45 ms
+        per part on the relay bench's shaped links while the link sat idle. The parent is still
+        listed when the answer cannot name the keys, when a new version appears, and at least
+        every `write_through_poll_s`."""
         self._parent_gen = 0
         lanes = asyncio.Semaphore(self.cfg.lanes)
         pulling: set[str] = set()
@@ -372,34 +401,64 @@ class Relay:
             finally:
                 pulling.discard(k)
 
+        def start(keys: list[str]) -> None:
+            todo = [k for k in keys if k not in self.cache and k not in self.inflight
+                    and k not in self.writing and k not in pulling]
+            # manifests and records first: parts are then checked against them too
+            todo.sort(key=lambda k: (not k.endswith(".json"), k))
+            for k in todo:
+                pulling.add(k)
+                t = asyncio.create_task(pull(k))
+                self._pulls.add(t)  # (held: the loop keeps only weak references to tasks)
+                t.add_done_callback(self._pulls.discard)
+
+        def take_news(keys: list[str]) -> bool:
+            """Start pulling the new objects of followed versions; False if a listing is due."""
+            new = []
+            for k in keys:
+                path = k.split("/")
+                if len(path) < 3 or path[0] != "versions":
+                    return False  # a new version, or something outside the versions: list
+                vd = f"versions/{path[1]}"
+                if vd in self.done_versions or mutable(k):
+                    continue
+                names = self._watched_listing(k)
+                if vd not in self.watched_dirs or names is None:
+                    return False
+                if k not in names:
+                    self._add_listed(k)
+                    self._bump(k)  # children see it listed now (the pull's hold then wakes nobody)
+                new.append(k)
+            start(new)
+            self.watch_alive = time.monotonic()
+            return True
+
         pause = self.cfg.poll_s
+        listed_at = -1e9
+        news: list[str] | None = None
         while True:
-            self._upstream_news = False
-            try:
-                versions = [v for v in await self.listing("children", "versions", fresh=True) if v.isdigit()]
-                for v in versions[-3:]:
-                    vd = f"versions/{v}"
-                    if vd in self.done_versions:
-                        continue
-                    keys = [k for k in await self.listing("list", vd, fresh=True) if not mutable(k)]
-                    self.watched_dirs.add(vd)
-                    todo = [k for k in keys if k not in self.cache and k not in self.inflight
-                            and k not in self.writing and k not in pulling]
-                    # manifests and records first: parts are then checked against them too
-                    todo.sort(key=lambda k: (not k.endswith(".json"), k))
-                    for k in todo:
-                        pulling.add(k)
-                        t = asyncio.create_task(pull(k))
-                        self._pulls.add(t)  # (held: the loop keeps only weak references to tasks)
-                        t.add_done_callback(self._pulls.discard)
-                    if f"{vd}/DECISION.json" in self.cache:
-                        self.done_versions.add(vd)
-                self.watch_alive = time.monotonic()
-            except (OSError, KeyError):
-                pass  # the parent chain re-attaches; try again next round
-            if hasattr(self.parent, "wait"):  # a relay above: long-poll it instead of polling
+            if news is None or not take_news(news) or time.monotonic() - listed_at > self.cfg.write_through_poll_s:
+                self._upstream_news = False
+                listed_at = time.monotonic()
                 try:
-                    self._parent_gen = await self._up(self.parent.wait, self._parent_gen, 1.0, True)
+                    versions = [v for v in await self.listing("children", "versions", fresh=True) if v.isdigit()]
+                    for v in versions[-3:]:
+                        vd = f"versions/{v}"
+                        if vd in self.done_versions:
+                            continue
+                        keys = [k for k in await self.listing("list", vd, fresh=True) if not mutable(k)]
+                        self.watched_dirs.add(vd)
+                        start(keys)
+                        if f"{vd}/DECISION.json" in self.cache:
+                            self.done_versions.add(vd)
+                    self.watch_alive = time.monotonic()
+                except (OSError, KeyError):
+                    pass  # the parent chain re-attaches; try again next round
+            news = None
+            waiter = getattr(self.parent, "wait_keys", None)
+            if waiter is not None:  # a relay above: long-poll it instead of polling
+                try:
+                    self._parent_gen, news = await self._up(waiter, self._parent_gen, 1.0, True)
                     continue
                 except OSError:
                     pass
@@ -519,6 +578,10 @@ class Relay:
         self.put_at[key] = now
         if len(self.put_at) > 4096:  # only the last seconds matter
             self.put_at = {k: at for k, at in self.put_at.items() if now - at < 60.0}
+        self._add_listed(key)
+
+    def _add_listed(self, key: str) -> None:
+        """Add key to the cached listings that cover it."""
         for (op, prefix), (t, names) in list(self.lists.items()):
             name = _name_in(op, prefix, key)
             if name and name not in names:
@@ -545,6 +608,8 @@ class Relay:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 break
+        if request.query.get("keys") == "1":
+            return web.json_response({"gen": self.gen, "keys": self.changed_since(known, data_only)})
         return web.json_response({"gen": self.gen})
 
     async def h_stats(self, request: web.Request) -> web.Response:

@@ -156,6 +156,14 @@ class RelayStore:
         r = self._req("GET", "/wait", fields=fields)
         return int(json.loads(r.data)["gen"])
 
+    def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
+        """wait(), also naming the keys new since `token` (None: the relay cannot say; list)."""
+        fields = {"gen": str(token), "timeout": f"{limit:.3f}", "keys": "1"}
+        if data_only:
+            fields["data"] = "1"
+        got = json.loads(self._req("GET", "/wait", fields=fields).data)
+        return int(got["gen"]), got.get("keys")
+
     def health(self) -> dict:
         return json.loads(self._req("GET", "/health").data)
 
@@ -250,6 +258,19 @@ class FailoverStore:
         except StoreError as exc:
             self._advance(i, exc)
             return 0  # a token of the store now in use
+
+    def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
+        from nemo_dcr_callback.transport.store import wait_change
+
+        i = self.i
+        w = getattr(self.stores[i], "wait_keys", None)
+        try:
+            if w is None:  # the origin (polled): no news feed
+                return wait_change(self.stores[i], token, 0.005, limit, data_only), None
+            return w(token, limit, data_only)
+        except StoreError as exc:
+            self._advance(i, exc)
+            return 0, None  # a token of the store now in use
 
     def delete(self, keys):
         return self.stores[-1].delete(keys)
