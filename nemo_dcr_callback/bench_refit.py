@@ -121,7 +121,7 @@ def receiver_main(args: list[str]) -> int:
     from nemo_dcr_callback.delta import bits
     from nemo_dcr_callback.receiver import Follower
     from nemo_dcr_callback.receiver.follow import APPLY_MODES
-    from nemo_dcr_callback.transport.store import open_store
+    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -133,6 +133,7 @@ def receiver_main(args: list[str]) -> int:
     store = open_store(a.url)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
     f = Follower(store, tensors, version=0, receiver_id="rollout-0", poll_s=0.005, early=APPLY_MODES[a.apply])
+    freeze_long_lived()  # as `nemo-dcr receive` does
 
     def out(d: dict) -> None:
         print(json.dumps(d), flush=True)

@@ -51,7 +51,7 @@ def receiver_main(args: list[str]) -> int:
     from nemo_dcr_callback import codec
     from nemo_dcr_callback.receiver import Follower
     from nemo_dcr_callback.receiver.follow import APPLY_MODES
-    from nemo_dcr_callback.transport.store import open_store
+    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -70,6 +70,7 @@ def receiver_main(args: list[str]) -> int:
     if a.versions:  # DCR: follow the store (or relay chain), then report the bits held
         store = open_store(a.url)
         f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, early=APPLY_MODES[a.apply])
+        freeze_long_lived()  # as `nemo-dcr receive` does
         out({"ready": True, "cpu_s": time.process_time()})
         f.follow(until=a.versions, timeout=600, on_apply=lambda x: out(
             {"version": x.version, "t_applied": time.time(), "fetch_s": x.fetch_s, "apply_s": x.apply_s,
@@ -186,6 +187,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     from nemo_dcr_callback import codec, commit, synthetic
     from nemo_dcr_callback.sender import TensorSender
     from nemo_dcr_callback.transport.seaweed import SeaweedS3
+    from nemo_dcr_callback.transport.store import freeze_long_lived
 
     layouts = {"dense-s3": {"a": per_region, "b": per_region}, "dcr-s3": {"a": per_region, "b": per_region},
                "dcr-relay": {"a": per_region, "b": per_region}, "dcr-relay-1": {"a": 1, "b": 0}}
@@ -258,6 +260,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                 idle = (host_busy_s() - b0) / (time.time() - w0)
                 print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
                 sender = TensorSender(cur)
+                freeze_long_lived()  # the sender's process, as the publisher's worker does
                 relays = procs[:len(procs) - len(rx)]
 
                 def cpu_now() -> dict[str, float]:  # CPU-s so far of each process but the receivers

@@ -31,7 +31,7 @@ from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import SparseDelta, undo
 from nemo_dcr_callback.placement import Family, Placement, build_placement
 from nemo_dcr_callback.sender import ShardSender
-from nemo_dcr_callback.transport.store import open_store
+from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
 @dataclass
@@ -95,6 +95,7 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     _lower_priority(spec.nice)
     torch.set_num_threads(1)
     store = open_store(spec.store_url)
+    freeze_long_lived()
     results.put(("ready", 0, None))
     sender = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
     sender.placement, sender.span, sender.level = spec.placement, spec.span, spec.level

@@ -12,7 +12,7 @@ import torch
 from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower
-from nemo_dcr_callback.transport.store import open_store
+from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
 def load_model(store, hf_model: str | None, timeout: float):
@@ -66,6 +66,7 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
         f = Follower(store, target, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
     else:
         f = Follower(store, tensors, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
+    freeze_long_lived()
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
     print(f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0", flush=True)
@@ -105,6 +106,7 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
     store = open_store(url)
     target = CheckpointDirTarget(model_dir)
     f = Follower(store, target, version=target.version, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
+    freeze_long_lived()
     print(f"receiver: {model_dir} holds version {target.version}", flush=True)
 
     def on_apply(a: Applied) -> None:

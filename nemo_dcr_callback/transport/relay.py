@@ -715,10 +715,11 @@ class _Fault:
 
 def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
     """Run a relay until SIGINT/SIGTERM; prints one line with its address when it listens."""
-    from nemo_dcr_callback.transport.store import open_store
+    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
     parent = open_store(parent_url)
     relay = Relay(parent, cfg)
+    freeze_long_lived()
 
     async def main() -> None:
         await relay.start()

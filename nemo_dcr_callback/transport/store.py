@@ -102,6 +102,18 @@ class FileStore:
                       if p.is_file() and not p.name.endswith(".part"))
 
 
+def freeze_long_lived() -> None:
+    """Take every object alive now out of the cyclic collector's scans (gc.freeze), in a
+    long-running process once its stores are open. A store chain that reaches S3 holds
+    boto3's service model, about 220K tracked objects, and each full collection scanned them
+    all: about 120 ms of CPU, in a relay once every few versions (its busiest version then
+    took twice the CPU) and in every receiver. The objects stay alive as they would anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: bool = False) -> int:
     """Pause until the store may have changed. A relay long-polls (returns as soon as it has
     something new, so a fleet of receivers does not busy-poll it; data_only: only a new part,
