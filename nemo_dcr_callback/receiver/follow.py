@@ -184,6 +184,10 @@ class Follower:
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         self.max_refusals = 3
         self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_change)
+        # what a relay's long-poll answer named as new since the last one (None: not known) and
+        # the last listing of the version streaming: together they are its listing now
+        self._news: list[str] | None = None
+        self._listed: tuple[int, list[str]] | None = None
         self.digests: dict[str, int] | None = None
         self.journal = None
         if journal is not None:  # weights that outlive this follower: complete a torn apply first
@@ -462,6 +466,24 @@ class Follower:
         self.digests = dg
         return bool(rec["digests"])
 
+    def _listing_with(self, v: int, news: list[str] | None) -> list[str] | None:
+        """v's listing from its last one and a relay's news since, if the news is only of v:
+        the poll then costs no request (5-6 listings per version and receiver before)."""
+        if news is None or self._listed is None or self._listed[0] != v:
+            return None
+        d = commit.vdir(v) + "/"
+        if any(not k.startswith(d) for k in news):
+            return None
+        return sorted({*self._listed[1], *news}) if news else self._listed[1]
+
+    def _names_newer(self, news: list[str]) -> bool:
+        """Does the news name anything of a version after the one held (or outside them)?"""
+        for k in news:
+            path = k.split("/")
+            if len(path) < 2 or path[0] != "versions" or not path[1].isdigit() or int(path[1]) > self.version:
+                return True
+        return False
+
     def poll(self, on_apply: Callable[[Applied], None] | None = None) -> list[Applied]:
         """Apply every version that follows the one held, in order (streaming the newest one
         while it is written); on_apply runs right after each."""
@@ -474,13 +496,20 @@ class Follower:
             # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
             listings: dict[int, list[str]] = {}
+            news, self._news = self._news, None
             if nxt in self._parts and nxt not in self.refused:
-                listing = listings[nxt] = self.store.list(commit.vdir(nxt))
+                listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
+                self._listed = (nxt, listing)
                 if commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
                     self.prefetch(nxt, listing)
                     self._apply_early(nxt)
                     return out
-            known = [nxt] if nxt in self._parts else commit.list_versions(self.store)
+            if nxt in self._parts:
+                known = [nxt]
+            elif news is not None and not self._names_newer(news):
+                known = []  # the relay named everything new since the last poll: no newer version
+            else:
+                known = commit.list_versions(self.store)
             for v in [v for v in known if v > self.version]:
                 # One listing says whether v has a decision and a record (read only if so) and
                 # which parts are there: a version that just appeared costs one round trip
@@ -547,7 +576,11 @@ class Follower:
             left = deadline - time.monotonic()
             if left < 0:
                 raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
-            self._token = wait_change(self.store, self._token, poll_s, min(1.0, left), data_only=True)
+            waiter = getattr(self.store, "wait_keys", None)
+            if waiter is not None:  # a relay: its answer names what is new (usually the whole poll)
+                self._token, self._news = waiter(self._token, min(1.0, left), True)
+            else:
+                self._token = wait_change(self.store, self._token, poll_s, min(1.0, left), data_only=True)
 
 
 class _Aborted(Exception):
