@@ -281,6 +281,9 @@ def write_ack(store, v: int, receiver: str, base: int, ok: bool = True, error: s
 
 
 DIRECT_ACK_READS = 2  # at most this many acks still missing: read them by name, no listing
+# Under a relay the committer reads the acks its long-poll names; it still lists them this
+# often, for acks written around the relay (a receiver that failed over to the origin).
+ACK_LIST_EVERY_S = 0.5
 
 
 def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[str] | None = None) -> dict[str, Ack]:
@@ -364,9 +367,17 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
     deadline = time.monotonic() + policy.timeout
     need = math.ceil(policy.quorum * len(expected))
     seen: dict[str, Ack] = {}
-    token = 0
+    token, news, listed_at = 0, None, -1e9
     while True:
-        acks = {k: a for k, a in read_acks(store, v, seen, expected).items() if k in expected}
+        if news is not None and time.monotonic() - listed_at < ACK_LIST_EVERY_S:
+            named = [k for k in news if k.startswith(f"{vdir(v)}/acks/") and k.rsplit("/", 1)[1] not in seen]
+            for k, a in zip(named, read_jsons(store, named), strict=True):
+                if a is not None:
+                    seen[k.rsplit("/", 1)[1]] = a
+        else:
+            listed_at = time.monotonic()
+            read_acks(store, v, seen, expected)
+        acks = {a["receiver"]: a for a in seen.values() if a["receiver"] in expected}
         ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
         refused = [k for k, a in acks.items() if not (a["ok"] and a["base"] == base)]
         if len(ok) == len(expected):
@@ -389,8 +400,14 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                               f"no ack from {missing[:4]} in {policy.timeout:.0f} s")
             raise CommitTimeout(f"version {v}: no ack from {missing[:4]} after {policy.timeout:.0f} s "
                                 "(commit policy 'wait')")
-        # a relay long-polls (acks written through it wake this at once); other stores sleep
-        token = wait_change(store, token, policy.poll, max(policy.poll, min(1.0, deadline - time.monotonic())))
+        # a relay long-polls (acks written through it wake this at once, and its answer names
+        # them: they are read without listing the acks); other stores sleep
+        limit = max(policy.poll, min(1.0, deadline - time.monotonic()))
+        waiter = getattr(store, "wait_keys", None)
+        if waiter is not None:
+            token, news = waiter(token, limit, False)
+        else:
+            token = wait_change(store, token, policy.poll, limit)
 
 
 def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:

@@ -752,3 +752,60 @@ def test_the_news_feed_names_keys_or_says_list(tmp_path):
     data, every, none_new, before_start, gone, unknown = asyncio.run(main())
     assert data == [a, b] and every == [a, ack, b] and none_new == []
     assert before_start is None and gone is None and unknown is None
+
+
+def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_path):
+    """The committer waiting on a relay sees an ack (news, and a GET served from the relay)
+    while the relay is still passing it up, not after the origin's write (10-35 ms per ack
+    on the bench's SeaweedFS). The writer's PUT returns only once the origin holds it; when
+    the origin refuses it, the writer gets the error and the relay serves and lists the ack
+    no more. In-process relay over a file:// origin whose writes of acks take 0.5 s, and fail
+    for one receiver's."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    good, bad = commit.ack_key(1, "rx-0"), commit.ack_key(1, "rx-1")
+
+    class SlowAcks:
+        url = origin.url
+
+        def put(self, k, data, durable=True):
+            time.sleep(0.5)
+            if k == bad:
+                raise StoreError("origin: disk full")
+            return origin.put(k, data, durable)
+
+        def __getattr__(self, name):
+            return getattr(origin, name)
+
+    async def main():
+        relay = Relay(SlowAcks(), RelayConfig(token=TOKEN, prefetch=False))
+        await relay.start()
+        try:
+            url = f"relay://127.0.0.1:{relay.port}"
+            committer, writer = RelayStore(url, token=TOKEN), RelayStore(url, token=TOKEN)
+            run = asyncio.get_running_loop().run_in_executor
+            gen = await run(None, committer.wait, 0, 0.01)
+            t0 = time.monotonic()
+            put = run(None, writer.put, good, b'{"ok": true}')
+            gen2, news = await run(None, committer.wait_keys, gen, 5.0, False)
+            seen = await run(None, committer.get, good)
+            seen_after, in_origin = time.monotonic() - t0, origin.exists(good)
+            await put
+            put_s = time.monotonic() - t0
+            with pytest.raises(StoreError, match="disk full|500|502"):
+                await run(None, writer.put, bad, b'{"ok": true}')
+            with pytest.raises(KeyError):
+                await run(None, committer.get, bad)
+            listed = await run(None, committer.list, "versions/0000000001/acks")
+            return news, seen, seen_after, in_origin, put_s, listed
+        finally:
+            await relay.stop()
+
+    news, seen, seen_after, in_origin, put_s, listed = asyncio.run(main())
+    assert news == [good] and seen == b'{"ok": true}'
+    assert seen_after < 0.4 and not in_origin, (seen_after, in_origin)  # seen before the origin had it
+    assert put_s >= 0.5  # the writer's PUT waited for the origin
+    assert bad not in listed and good in listed

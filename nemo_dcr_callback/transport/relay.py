@@ -516,11 +516,24 @@ class Relay:
 
     async def h_put(self, request: web.Request) -> web.Response:
         """A write from below, passed up. Immutable objects (a sender writing through this relay)
-        are verified first, then held here and announced, as if fetched from the parent."""
+        are verified first, then held here and announced, as if fetched from the parent.
+
+        An ack is announced (and served from here) while it is passed up, not after: the
+        committer reading acks through this relay then decides without waiting for the
+        origin's write (10-35 ms per ack on the relay bench's SeaweedFS). The writer's request
+        still returns only once the origin holds it; if that fails, the ack is taken back here
+        and the writer, told so, writes it again (on another store of its chain). An ack only
+        reports what its receiver did: the decision, written through here only once the origin
+        took it, is what stands."""
         key = request.match_info["key"]
         data = await request.read()
         self.stats["puts"] += 1
         keep = not mutable(key)
+        early = "/acks/" in key and request.query.get("if_absent") != "1"
+        if early:
+            self._listed(key)
+            self._passed(key, data)
+            self._bump(key)
         if keep:
             try:
                 await self._up(verify_object, key, data, self.manifest_parts)
@@ -534,7 +547,14 @@ class Relay:
                 if not created:  # another writer's object stands: fetched from the parent when asked
                     return web.json_response({"created": False}, status=412)
             else:
-                await self._up(self.parent.put, key, data)
+                try:
+                    await self._up(self.parent.put, key, data)
+                except BaseException:
+                    if early:
+                        self._unlisted(key)
+                    raise
+            if early:
+                return web.json_response({"created": True, "ok": True})
             self._listed(key)
             if keep:
                 self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
@@ -547,6 +567,16 @@ class Relay:
                 w.set()
         self._bump(key)
         return web.json_response({"created": True, "ok": True})
+
+    def _unlisted(self, key: str) -> None:
+        """Take back a write announced before the parent had it (its write failed)."""
+        self.passed.pop(key, None)
+        self.put_at.pop(key, None)
+        for (op, prefix), (t, names) in list(self.lists.items()):
+            name = _name_in(op, prefix, key)
+            if name and name in names and op == "list":
+                self.lists[(op, prefix)] = (t, [n for n in names if n != name])
+        self._bump()  # something went: news feeds say "list"
 
     def _hold(self, key: str, data: bytes, h: str) -> None:
         """Cache a verified immutable object and learn a manifest's parts (the caller wakes the
