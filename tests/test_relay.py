@@ -809,3 +809,38 @@ def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_pa
     assert seen_after < 0.4 and not in_origin, (seen_after, in_origin)  # seen before the origin had it
     assert put_s >= 0.5  # the writer's PUT waited for the origin
     assert bad not in listed and good in listed
+
+
+def test_the_relay_client_reads_chunked_bodies_and_refuses_cut_ones():
+    """RelayStore's own HTTP/1.1 client (http.client parsed headers with the email package,
+    most of a small request's CPU): a chunked body is read whole; a body cut short of its
+    Content-Length, or a reply that is not HTTP, is a StoreError naming it, never data. A raw
+    TCP server plays the relay's replies (no relay sends these on purpose)."""
+    import socket
+
+    body = b'["versions/0000000001/VERSION.json"]'
+    replies = [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:7], body[7:])) + b"0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + body[:10],
+        b"SSH-2.0-OpenSSH_9.6\r\n",
+    ]
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        for reply in replies:
+            c, _ = srv.accept()
+            c.recv(65536)
+            c.sendall(reply)
+            c.close()  # (each reply on a connection of its own)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    store = RelayStore(f"relay://127.0.0.1:{srv.getsockname()[1]}", token=TOKEN)
+    assert store.list("versions") == ["versions/0000000001/VERSION.json"]
+    store._local.conn = None
+    with pytest.raises(StoreError, match="ended after 10 of 100 bytes"):
+        store.list("versions")
+    with pytest.raises(StoreError, match="not an HTTP response"):
+        store.list("versions")
+    srv.close()
