@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--poll-ms", type=float, default=5.0, help="how often to list the parent for new objects")
     ry.add_argument("--idle-poll-ms", type=float, default=40.0,
                     help="the longest pause between listings while nothing new turns up")
-    ry.add_argument("--write-through-poll-ms", type=float, default=250.0,
+    ry.add_argument("--write-through-poll-ms", type=float, default=1000.0,
                     help="the same while senders write through this relay (listings then only catch writes that "
                          "went around it)")
     ry.add_argument("--passed-ttl-ms", type=float, default=60000.0,

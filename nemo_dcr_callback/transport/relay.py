@@ -54,6 +54,10 @@ from aiohttp import web
 from nemo_dcr_callback import codec
 
 CHECKSUM_HEADER = "X-DCR-XXH3"
+# A relay that held a sender's write within this long counts as written through (its watcher
+# then lists the parent only every write_through_poll_s): a trainer's steps, and so its
+# versions, come seconds apart, and between them the relay polled the origin 25 times a second.
+WRITE_THROUGH_S = 30.0
 
 
 @dataclass
@@ -69,10 +73,12 @@ class RelayConfig:
     spill_mb: int = 8192
     poll_s: float = 0.005  # how often the watcher lists the parent; also the TTL of cached listings
     idle_poll_s: float = 0.04  # the watcher's longest pause after rounds that found nothing new
-    # ... while senders write through this relay (an immutable object within the last 2 s): their
-    # objects arrive here directly, and listing the parent only catches writes that went around
-    # the relay (a sender's failover), so it is listed this rarely
-    write_through_poll_s: float = 0.25
+    # ... while senders write through this relay (an immutable object within the last
+    # WRITE_THROUGH_S): their objects arrive here directly, and listing the parent only catches
+    # writes that went around the relay (a sender's failover), so it is listed this rarely. On
+    # S3 a listing costs the relay 1.5-5 ms of CPU (boto3 parses XML); at 0.25 s the bench's
+    # root relay listed S3 5-6 times per version.
+    write_through_poll_s: float = 1.0
     # a mutable object (an ack, a registration) written through this relay is served from here
     # for this long: the committer reads each ack right after it is written and every
     # registration at each version, and those reads then need no round trip to the origin (on
@@ -464,7 +470,7 @@ class Relay:
                     pass
             # nothing new from the parent: back off (up to idle_poll_s, or write_through_poll_s)
             cap = self.cfg.idle_poll_s
-            if time.monotonic() - self.immutable_put_at < 2.0:
+            if time.monotonic() - self.immutable_put_at < WRITE_THROUGH_S:
                 cap = max(cap, self.cfg.write_through_poll_s)
             pause = self.cfg.poll_s if self._upstream_news else min(2 * pause, max(self.cfg.poll_s, cap))
             await asyncio.sleep(pause)
