@@ -66,7 +66,7 @@ bench-refit: setup
 
 # Needs root: 2 regions x 4 receivers behind tbf-shaped links; dense/DCR via S3 vs the relay tree, the DCR ones 3 times in turn (~6 min).
 bench-relay: setup
-	$(BIN)/nemo-dcr bench relay --rounds 3 --json benchmarks/results/relay.json
+	$(BIN)/nemo-dcr bench relay --rounds 5 --json benchmarks/results/relay.json
 
 # The planner against the committed results; bench-plan re-measures first (root, ~8 minutes).
 plan-validate: setup
