@@ -95,7 +95,8 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     _lower_priority(spec.nice)
     torch.set_num_threads(1)
     store = open_store(spec.store_url)
-    freeze_long_lived()
+    if threading.current_thread() is threading.main_thread():  # its own process (not the trainer's)
+        freeze_long_lived()
     results.put(("ready", 0, None))
     sender = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
     sender.placement, sender.span, sender.level = spec.placement, spec.span, spec.level
