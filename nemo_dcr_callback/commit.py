@@ -357,7 +357,7 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
     """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
     per the policy, then decide. A version whose base was not committed is aborted at once."""
-    from nemo_dcr_callback.transport.store import wait_change
+    from nemo_dcr_callback.transport.store import wait_news
 
     v, base = rec["version"], rec["base"]
     if not base_committed:
@@ -402,12 +402,7 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                                 "(commit policy 'wait')")
         # a relay long-polls (acks written through it wake this at once, and its answer names
         # them: they are read without listing the acks); other stores sleep
-        limit = max(policy.poll, min(1.0, deadline - time.monotonic()))
-        waiter = getattr(store, "wait_keys", None)
-        if waiter is not None:
-            token, news = waiter(token, limit, False)
-        else:
-            token = wait_change(store, token, policy.poll, limit)
+        token, news = wait_news(store, token, policy.poll, max(policy.poll, min(1.0, deadline - time.monotonic())))
 
 
 def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:

@@ -37,7 +37,7 @@ import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
 from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
-from nemo_dcr_callback.transport.store import StoreError, wait_change
+from nemo_dcr_callback.transport.store import StoreError, wait_news
 
 # The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).
 APPLY_MODES: dict[str, bool | str] = {"late": False, "sealed": "sealed", "early": True}
@@ -183,7 +183,7 @@ class Follower:
         self._parts: dict[int, _Parts] = {}
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         self.max_refusals = 3
-        self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_change)
+        self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_news)
         # what a relay's long-poll answer named as new since the last one (None: not known) and
         # the last listing of the version streaming: together they are its listing now
         self._news: list[str] | None = None
@@ -576,11 +576,8 @@ class Follower:
             left = deadline - time.monotonic()
             if left < 0:
                 raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
-            waiter = getattr(self.store, "wait_keys", None)
-            if waiter is not None:  # a relay: its answer names what is new (usually the whole poll)
-                self._token, self._news = waiter(self._token, min(1.0, left), True)
-            else:
-                self._token = wait_change(self.store, self._token, poll_s, min(1.0, left), data_only=True)
+            # a relay's answer names what is new (usually the whole poll)
+            self._token, self._news = wait_news(self.store, self._token, poll_s, min(1.0, left), data_only=True)
 
 
 class _Aborted(Exception):

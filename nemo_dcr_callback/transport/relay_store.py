@@ -218,21 +218,22 @@ class RelayStore:
     def delete_prefix(self, prefix: str) -> list[str]:
         raise StoreError("relays do not delete: run gc against the origin store")
 
-    def wait(self, token: int, limit: float, data_only: bool = False) -> int:
-        """Long-poll: return once the relay holds something newer than `token` (data_only: a
-        new immutable object, not an ack or a registration), or after limit s."""
+    def _wait(self, token: int, limit: float, data_only: bool, keys: bool) -> dict:
         fields = {"gen": str(token), "timeout": f"{limit:.3f}"}
         if data_only:
             fields["data"] = "1"
-        r = self._req("GET", "/wait", fields=fields)
-        return int(json.loads(r.data)["gen"])
+        if keys:
+            fields["keys"] = "1"
+        return json.loads(self._req("GET", "/wait", fields=fields).data)
+
+    def wait(self, token: int, limit: float, data_only: bool = False) -> int:
+        """Long-poll: return once the relay holds something newer than `token` (data_only: a
+        new immutable object, not an ack or a registration), or after limit s."""
+        return int(self._wait(token, limit, data_only, False)["gen"])
 
     def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
         """wait(), also naming the keys new since `token` (None: the relay cannot say; list)."""
-        fields = {"gen": str(token), "timeout": f"{limit:.3f}", "keys": "1"}
-        if data_only:
-            fields["data"] = "1"
-        got = json.loads(self._req("GET", "/wait", fields=fields).data)
+        got = self._wait(token, limit, data_only, True)
         return int(got["gen"]), got.get("keys")
 
     def health(self) -> dict:
@@ -321,24 +322,14 @@ class FailoverStore:
         return self._call("put_if_absent", key, data)
 
     def wait(self, token: int, limit: float, data_only: bool = False) -> int:
-        from nemo_dcr_callback.transport.store import wait_change
-
-        i = self.i
-        try:
-            return wait_change(self.stores[i], token, 0.005, limit, data_only)
-        except StoreError as exc:
-            self._advance(i, exc)
-            return 0  # a token of the store now in use
+        return self.wait_keys(token, limit, data_only)[0]
 
     def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
-        from nemo_dcr_callback.transport.store import wait_change
+        from nemo_dcr_callback.transport.store import wait_news
 
         i = self.i
-        w = getattr(self.stores[i], "wait_keys", None)
         try:
-            if w is None:  # the origin (polled): no news feed
-                return wait_change(self.stores[i], token, 0.005, limit, data_only), None
-            return w(token, limit, data_only)
+            return wait_news(self.stores[i], token, 0.005, limit, data_only)  # the origin (polled): no news
         except StoreError as exc:
             self._advance(i, exc)
             return 0, None  # a token of the store now in use

@@ -126,6 +126,16 @@ def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: b
     return w(token, limit, data_only)
 
 
+def wait_news(store, token: int, poll: float, limit: float = 1.0,
+              data_only: bool = False) -> tuple[int, list[str] | None]:
+    """wait_change(), also returning the keys new since `token` where the store can name them
+    (a relay's news feed); None where it cannot: then list."""
+    w = getattr(store, "wait_keys", None)
+    if w is None:
+        return wait_change(store, token, poll, limit, data_only), None
+    return w(token, limit, data_only)
+
+
 def open_store(url: str):
     """A store for a URL: file:///abs/path, file://rel/path, a plain path,
     s3://bucket/prefix[?endpoint=http://host:port&region=...], relay://host:port (a relay
