@@ -337,22 +337,35 @@ def encode_chunk(
     return _assemble(name, kind, info, gm, vm, lay, numel, lo, hi, count, gap_streams + val_streams)
 
 
+def _scratch(role: str, n: int) -> np.ndarray:
+    """A thread's reusable byte buffer of at least n bytes (the encoder's outputs are copied
+    or compressed out of it before the next chunk): no allocation and no fresh pages per chunk."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    b = bufs.get(role)
+    if b is None or b.size < n:
+        b = bufs[role] = np.empty(max(n, 1 << 16), dtype=np.uint8)
+        bufs[role + ".ptr"] = b.ctypes.data
+    return b
+
+
 def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor, lo: int, hi: int,
                gap8: bool, terms: list[int] | None):
     """dcr_encode_xor: (GAP8 stream or None, value mode, token stream, escapes), with value
     mode None when many values escape (the caller then codes the values the generic way;
-    the digest terms are added either way)."""
+    the digest terms are added either way). The gap and escape streams view this thread's
+    scratch: valid until its next call."""
     count, w = vals.numel(), vals.element_size()
     gcap = gap_bound(GapMode.GAP8, count, hi - lo) if gap8 else 0
-    gaps = np.empty(gcap, dtype=np.uint8)
     acap = lib.dcr_ans_bound(count)
-    ans = np.empty(acap, dtype=np.uint8)
-    esc = np.empty(count * w, dtype=np.uint8)
-    out = np.zeros(6, dtype=np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    gaps, ans, esc = _scratch("gaps", gcap), _scratch("ans", acap), _scratch("esc", count * w)
+    out = _scratch("out", 48).view(np.int64)[:6]  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    out[4:] = 0  # the encoder adds the digest sums
+    optr = _tls.bufs["out.ptr"]
     rc = lib.dcr_encode_xor(positions.data_ptr(), int(positions.dtype == torch.int64), vals.data_ptr(),
-                            nv.data_ptr(), count, w, lo, hi, int(gap8), gaps.ctypes.data, gcap, ans.ctypes.data,
-                            acap, esc.ctypes.data, out.ctypes.data,
-                            0 if terms is None else out.ctypes.data + 32)
+                            nv.data_ptr(), count, w, lo, hi, int(gap8), _tls.bufs["gaps.ptr"], gcap,
+                            _tls.bufs["ans.ptr"], acap, _tls.bufs["esc.ptr"], optr, 0 if terms is None else optr + 32)
     if rc not in (0, -10):
         raise ValueError(f"positions not sorted within [{lo}, {hi}) ({rc})" if rc == -2 else f"fused encoder: {rc}")
     if terms is not None:

@@ -224,8 +224,9 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
         for k in keys:
             if k not in ms:
                 m = read_json(store, k)
-                if m is not None:
-                    ms[k] = m
+                if m is None:
+                    break  # all must arrive: a poll reads only up to the first one missing
+                ms[k] = m
         if len(ms) < world:
             if time.monotonic() > deadline:
                 missing = [k for k in keys if k not in ms]

@@ -120,6 +120,29 @@ def test_fused_encoder_matches_the_generic_path(dtype, rate, seed, pos64, specia
     assert torch.equal(bits(target), bits(new))
 
 
+def test_fused_encoder_scratch_is_per_thread():
+    """The fused path writes into reusable per-thread buffers: chunks of different sizes
+    encoded by four threads at once (as the relay bench's senders and a thread worker do) are
+    the chunks, and digest terms, each gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
+    for i, rate in enumerate([0.002, 0.05, 0.3, 0.01, 0.6, 0.0005, 0.1, 0.02]):
+        old, new = _pair((20000 + 7919 * i,), torch.bfloat16, rate, 100 + i)
+        jobs.append(delta.take_delta(new, old.clone(), keep_new=True))
+
+    def enc(d):
+        terms = [0, 0]
+        out = codec.encode_chunk("w", Kind.XOR, d.dtype, d.numel, 0, d.numel, d.positions, d.xor, d.new,
+                                 terms=terms)
+        return out, terms
+
+    alone = [enc(d) for d in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(enc, jobs * 3)) == alone * 3
+
+
 def test_fused_encoder_refuses_unsorted_positions():
     old, new = _pair((5000,), torch.bfloat16, 0.05, 3)
     d = delta.take_delta(new, old.clone(), keep_new=True)
