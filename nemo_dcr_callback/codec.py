@@ -31,6 +31,7 @@ from nemo_dcr_callback.delta import (
     OP_OVERWRITE,
     OP_ULP,
     OP_XOR,
+    Scratch,
     SparseDelta,
     bits,
     index_dtype,
@@ -337,17 +338,13 @@ def encode_chunk(
     return _assemble(name, kind, info, gm, vm, lay, numel, lo, hi, count, gap_streams + val_streams)
 
 
-def _scratch(role: str, n: int) -> np.ndarray:
-    """A thread's reusable byte buffer of at least n bytes (the encoder's outputs are copied
-    or compressed out of it before the next chunk): no allocation and no fresh pages per chunk."""
-    bufs = getattr(_tls, "bufs", None)
-    if bufs is None:
-        bufs = _tls.bufs = {}
-    b = bufs.get(role)
-    if b is None or b.size < n:
-        b = bufs[role] = np.empty(max(n, 1 << 16), dtype=np.uint8)
-        bufs[role + ".ptr"] = b.ctypes.data
-    return b
+def _scratch() -> Scratch:
+    """This thread's reusable output buffers for the fused encoder (its outputs are copied or
+    compressed out before the thread's next chunk): no allocation and no fresh pages per chunk."""
+    sc = getattr(_tls, "scratch", None)
+    if sc is None:
+        sc = _tls.scratch = Scratch()
+    return sc
 
 
 def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor, lo: int, hi: int,
@@ -359,23 +356,26 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     count, w = vals.numel(), vals.element_size()
     gcap = gap_bound(GapMode.GAP8, count, hi - lo) if gap8 else 0
     acap = lib.dcr_ans_bound(count)
-    gaps, ans, esc = _scratch("gaps", gcap), _scratch("ans", acap), _scratch("esc", count * w)
-    out = _scratch("out", 48).view(np.int64)[:6]  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    sc = _scratch()
+    gaps = sc.get(torch.uint8, "gaps", gcap)
+    ans = sc.get(torch.uint8, "ans", acap)
+    esc = sc.get(torch.uint8, "esc", count * w)
+    out = sc.get(torch.int64, "out", 6)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
     out[4:] = 0  # the encoder adds the digest sums
-    optr = _tls.bufs["out.ptr"]
+    optr = out.data_ptr()
     rc = lib.dcr_encode_xor(positions.data_ptr(), int(positions.dtype == torch.int64), vals.data_ptr(),
-                            nv.data_ptr(), count, w, lo, hi, int(gap8), _tls.bufs["gaps.ptr"], gcap,
-                            _tls.bufs["ans.ptr"], acap, _tls.bufs["esc.ptr"], optr, 0 if terms is None else optr + 32)
+                            nv.data_ptr(), count, w, lo, hi, int(gap8), gaps.data_ptr(), gcap, ans.data_ptr(), acap,
+                            esc.data_ptr(), optr, 0 if terms is None else optr + 32)
     if rc not in (0, -10):
         raise ValueError(f"positions not sorted within [{lo}, {hi}) ({rc})" if rc == -2 else f"fused encoder: {rc}")
-    if terms is not None:
-        sums = out[4:].view(np.uint64)
-        terms[0] = (terms[0] + int(sums[0])) & digest.MASK
-        terms[1] = (terms[1] + int(sums[1])) & digest.MASK
-    g = gaps[:out[0]] if gap8 else None
+    ng, na, ne, ulp, s_old, s_new = out.tolist()
+    if terms is not None:  # (the sums are uint64; tolist reads them signed: the mask takes them back)
+        terms[0] = (terms[0] + s_old) & digest.MASK
+        terms[1] = (terms[1] + s_new) & digest.MASK
+    g = gaps[:ng].numpy() if gap8 else None
     if rc == -10:
         return g, None, None, None
-    return g, ValueMode(int(out[3])), ans[:out[1]].tobytes(), esc[:out[2] * w]
+    return g, ValueMode(ulp), ans[:na].numpy().tobytes(), esc[:ne * w].numpy()
 
 
 def _assemble(name: str, kind: Kind, info: DType, gm: GapMode, vm: ValueMode, lay: Layout, numel: int, lo: int,
