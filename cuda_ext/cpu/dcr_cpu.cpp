@@ -203,29 +203,33 @@ inline int64_t posat(const void* p, int64_t i) {
   return static_cast<int64_t>(static_cast<const I*>(p)[i]);
 }
 
+// How many changes ahead a scatter prefetches its target line (apply_values, apply_values_dig).
+constexpr int64_t kScatterAhead = 128;
+
 // op: 0 = XOR value into target, 1 = overwrite target with value, 2 = value is a zig-zag
 // ulp difference against the target's current bits.
 template <class T, class I>
 void apply_values(T* target, const I* pos, const T* vals, int64_t count, int op) {
   // Irregular gaps defeat the hardware prefetcher at low change rates: prefetch the
   // target line kAhead changes ahead (positions are validated, so the address is in range).
-  constexpr int64_t kAhead = 32;
-  auto pf = [&](int64_t i) {
-    if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
-  };
+  // 128 rather than 32: at 1-3% changed a line comes from DRAM, and 32 changes (~0.1 us of
+  // work) did not cover its latency (cold 268 MB target, 3%: 14.5 -> 10.5 ms).
+  constexpr int64_t kAhead = kScatterAhead;
+  // The prefetch is spelled out in each loop: behind a lambda GCC 12 dropped it (no
+  // prefetchw in dcr_scatter's loops; 16 ms vs the fused apply's 11 for the same scatter).
   if (op == 0) {
     for (int64_t i = 0; i < count; ++i) {
-      pf(i);
+      if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
       target[pos[i]] ^= vals[i];
     }
   } else if (op == 1) {
     for (int64_t i = 0; i < count; ++i) {
-      pf(i);
+      if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
       target[pos[i]] = vals[i];
     }
   } else {
     for (int64_t i = 0; i < count; ++i) {
-      pf(i);
+      if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
       T& t = target[pos[i]];
       t = funkey<T>(static_cast<T>(fkey<T>(t) + unzigzag<T>(vals[i])));
     }
@@ -800,7 +804,7 @@ extern "C" uint64_t dcr_sum64_at(const void* t, int width, const void* pos, int 
 // element, accumulates its digest term before and after the write, and writes it.
 template <class T, class I>
 static void apply_values_dig(T* target, const I* pos, const T* vals, int64_t count, int op, uint64_t* sums) {
-  constexpr int64_t kAhead = 32;
+  constexpr int64_t kAhead = kScatterAhead;
   uint64_t before = 0, after = 0;
   for (int64_t i = 0; i < count; ++i) {
     if (i + kAhead < count) __builtin_prefetch(target + pos[i + kAhead], 1);
