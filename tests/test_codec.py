@@ -331,3 +331,35 @@ def test_zstd_stream_declaring_a_huge_size_is_refused_not_allocated():
     with pytest.raises(ChunkError, match="declares 1099511627776 bytes"):
         codec.apply_chunk(_resum(b), target)
     assert torch.equal(bits(target), bits(old))
+
+
+@pytest.mark.parametrize("idt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("rate", [0.002, 0.03, 0.5, 1.0])
+def test_gap8_decoder_equals_the_numpy_reference(idt, rate):
+    """The compiled GAP8 decoder (16 gaps a block with AVX-512 for int32 positions, 8 a block,
+    one at a time at escapes and near the end of the range) against the numpy reference, on
+    streams with escapes (gaps of 255 and more, some exact multiples) and positions that run
+    up to the last element of the range; then the same stream cut short or with a gap too
+    many is refused by both."""
+    from nemo_dcr_callback.streams import StreamError, _decode_gaps_py, decode_gaps, encode_gaps
+
+    g = torch.Generator().manual_seed(int(rate * 1000))
+    lo, span = 1000, 200_000
+    mask = torch.rand(span, generator=g) < rate
+    mask[-3000:] |= torch.rand(3000, generator=g) < 0.5  # dense again right below hi
+    mask[[5000, 5000 + 256, 5000 + 256 + 511, span - 1]] = True
+    mask[5001:5000 + 256] = False  # a gap of exactly 255: one escape, then 0
+    mask[5257:5000 + 256 + 511] = False  # 510 = 2 x 255: two escapes, then 0
+    pos = (mask.nonzero().flatten() + lo).to(idt)
+    hi = lo + span
+    stream = encode_gaps(pos, lo, hi, GapMode.GAP8)
+    got = decode_gaps(stream, GapMode.GAP8, pos.numel(), lo, hi, idt)
+    want = _decode_gaps_py(stream, GapMode.GAP8, pos.numel(), lo, hi)
+    assert got.dtype == idt and torch.equal(got.to(torch.int64), want) and torch.equal(got, pos)
+    for bad in (stream[:-1], np.concatenate([stream, [7]])):  # truncated / trailing bytes
+        with pytest.raises(StreamError):
+            decode_gaps(bad, GapMode.GAP8, pos.numel(), lo, hi, idt)
+        with pytest.raises(StreamError):
+            _decode_gaps_py(bad, GapMode.GAP8, pos.numel(), lo, hi)
+    with pytest.raises(StreamError, match="out of range"):  # the same gaps in a shorter range
+        decode_gaps(stream, GapMode.GAP8, pos.numel(), lo, hi - 1, idt)

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -404,14 +405,45 @@ int64_t gaps_decode(Sym&& sym, int64_t& k, int64_t m, uint32_t esc, int64_t i, i
   return 0;
 }
 
-// GAP8, with a fast path: 8 gap bytes at a time when none is an escape (255) and 8 more
-// positions are due; one range check per block suffices since positions increase.
+#if defined(__AVX512F__)
+// 16 GAP8 bytes, none an escape, -> 16 int32 positions after prev: widened, +1, an inclusive
+// prefix sum across the lanes (4 shifted adds), + prev. The caller keeps prev + 16 * 256 below
+// hi, so the lanes cannot overflow and no range check is due. False (nothing written) if a
+// byte is an escape.
+static inline bool gaps8_block16(const uint8_t* in, int32_t* out, int64_t& prev) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  if (_mm_movemask_epi8(_mm_cmpeq_epi8(b, _mm_set1_epi8(-1)))) return false;
+  const __m512i z = _mm512_setzero_si512();
+  __m512i x = _mm512_add_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(1));
+  x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, z, 15));  // + the lane 1 below
+  x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, z, 14));  // + 2 below
+  x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, z, 12));  // + 4 below
+  x = _mm512_add_epi32(x, _mm512_alignr_epi32(x, z, 8));   // + 8 below
+  x = _mm512_add_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(prev)));
+  _mm512_storeu_si512(out, x);
+  prev = _mm_extract_epi32(_mm512_extracti32x4_epi32(x, 3), 3);
+  return true;
+}
+#endif
+
+// GAP8, with fast paths: 16 gap bytes at a time into int32 positions (AVX-512, far enough
+// below hi), else 8 at a time when none is an escape (255) and 8 more positions are due; one
+// range check per block suffices since positions increase.
 template <class I>
 int64_t gaps8_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo, int64_t hi, I* out) {
   auto sym = [in](int64_t k) { return static_cast<uint32_t>(in[k]); };
   int64_t prev = lo - 1;
   int64_t k = 0, i = 0;
   while (i + 8 <= count && k + 8 <= len) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<I, int32_t>) {
+      if (i + 16 <= count && k + 16 <= len && prev + 16 * 256 < hi && gaps8_block16(in + k, out + i, prev)) {
+        i += 16;
+        k += 16;
+        continue;
+      }
+    }
+#endif
     uint64_t w;
     std::memcpy(&w, in + k, 8);
     uint64_t inv = ~w;  // a 255 byte becomes a zero byte
