@@ -459,3 +459,42 @@ def test_fast_path_errors_read_as_before(seaweed):
     for call in (lambda: bad.put("k", b"v"), lambda: bad.put_if_absent("k", b"v"), lambda: bad.list("")):
         with pytest.raises(StoreError, match="rejected the credentials"):
             call()
+
+
+def test_fast_path_gives_up_within_the_timeouts():
+    """An endpoint that accepts connections and never answers: the plain request gives up
+    after the read timeout, boto3 (one attempt here) after its own, and the error names the
+    endpoint as unreachable; nothing waits for the 60 s default."""
+    import socket
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])  # kept open, never answered
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        s = S3Store(f"s3://b/x?endpoint=http://127.0.0.1:{srv.getsockname()[1]}", access_key="a", secret_key="b",
+                    max_attempts=1, connect_timeout=1, read_timeout=1)
+        assert s.fast is not None
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match="unreachable"):
+            s.put("k", b"v")
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        srv.close()

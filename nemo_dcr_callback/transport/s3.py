@@ -80,7 +80,8 @@ class S3Store:
                 f = c.get_frozen_credentials()
                 return f.access_key, f.secret_key, f.token
 
-            self.fast = SigV4Client(self.endpoint_url, region, creds, timeout=read_timeout)
+            self.fast = SigV4Client(self.endpoint_url, region, creds, timeout=read_timeout,
+                                    connect_timeout=connect_timeout)
 
     # -------------------------------------------------------------- helpers
     def _key(self, key: str) -> str:

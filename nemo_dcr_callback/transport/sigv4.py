@@ -43,7 +43,8 @@ class SigV4Client:
     (access key, secret key, session token or None) or None; it is asked on every request,
     so rotated credentials are picked up."""
 
-    def __init__(self, endpoint_url: str, region: str, credentials, timeout: float = 60.0):
+    def __init__(self, endpoint_url: str, region: str, credentials, timeout: float = 60.0,
+                 connect_timeout: float = 5.0):
         u = urlparse(endpoint_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) endpoint: {endpoint_url!r}")
@@ -55,6 +56,7 @@ class SigV4Client:
         self.region = region
         self.credentials = credentials
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._local = threading.local()
         self._keys: dict[tuple[str, str], bytes] = {}  # (secret, date) -> signing key
 
@@ -95,10 +97,16 @@ class SigV4Client:
 
     # ------------------------------------------------------------ requests
     def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection: connected within connect_timeout (an endpoint that drops
+        packets must not hold a call for the read timeout before boto3 takes over), then
+        reading with the read timeout."""
         c = getattr(self._local, "conn", None)
         if c is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            c = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
+            c = cls(self.host, self.port, timeout=self.connect_timeout)
+            c.connect()
+            c.sock.settimeout(self.timeout)
+            self._local.conn = c
         return c
 
     def _drop(self) -> None:
@@ -122,15 +130,16 @@ class SigV4Client:
         target = quote(path, safe="/" + _SAFE)
         if query:
             target += "?" + "&".join(f"{quote(k, safe=_SAFE)}={quote(v, safe=_SAFE)}" for k, v in query.items())
-        for attempt in range(2):  # a kept-alive connection the server closed meanwhile: once more, fresh
-            c = self._conn()
+        for _ in range(2):  # a kept-alive connection the server closed meanwhile: once more, fresh
+            reused = getattr(self._local, "conn", None) is not None
             try:
+                c = self._conn()
                 c.request(method, target, body=body or None, headers=signed)
                 r = c.getresponse()
                 data = r.read()
             except (OSError, http.client.HTTPException):
                 self._drop()
-                if attempt:
+                if not reused:
                     return None
                 continue
             if r.will_close:
