@@ -498,3 +498,29 @@ def test_fast_path_gives_up_within_the_timeouts():
         for c in held:
             c.close()
         srv.close()
+
+
+def test_fast_path_steps_aside_where_it_fails_and_boto3_does_not(seaweed, store, monkeypatch, capsys):
+    """A plain request that gets no answer (here: the plain client pointed at a closed port)
+    while boto3 then succeeds: boto3 alone for FAST_BACKOFF_S. One refused with a client
+    error (here: signed with a wrong secret) while boto3 succeeds: this endpoint does not take
+    our requests, boto3 alone from then on, said once. Every call succeeds either way."""
+    import socket
+
+    calls = []
+    real = store.fast.request
+    monkeypatch.setattr(store.fast, "request", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    port = store.fast.port
+    store.fast.port = closed
+    store.put("a", b"1")
+    assert calls == ["PUT"] and store._fast_off_until > 0
+    store.put("b", b"2")
+    assert store.list("") == ["a", "b"] and calls == ["PUT"]  # boto3 alone meanwhile
+    store.fast.port, store._fast_off_until = port, 0.0
+    monkeypatch.setattr(store.fast, "credentials", lambda: (seaweed.access_key, "wrong-secret", None))
+    store.put("c", b"3")
+    assert calls == ["PUT", "PUT"] and store.fast is None and store.get("c") == b"3"
+    assert "using boto3 only" in capsys.readouterr().err

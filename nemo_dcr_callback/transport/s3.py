@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import threading
+import time
 from urllib.parse import parse_qs, urlparse
 
 from nemo_dcr_callback.transport.store import StoreError
+
+# After a plain signed request got no answer or a server error (and boto3 then succeeded),
+# boto3 alone for this long: a TLS setup or proxy the plain client cannot use must not cost
+# a failed attempt on every call.
+FAST_BACKOFF_S = 30.0
 
 
 def _botocore():
@@ -70,6 +77,7 @@ class S3Store:
         # about a tenth of boto3's client CPU; anything else is redone through boto3. Needs an
         # explicit endpoint (S3-compatible servers, or AWS named by one). fast=False: boto3 only.
         self.fast = None
+        self._fast_off_until = 0.0
         if fast and self.endpoint_url:
             from nemo_dcr_callback.transport.sigv4 import SigV4Client
 
@@ -142,9 +150,11 @@ class S3Store:
                 self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=tc,
                                            ExtraArgs={"ChecksumAlgorithm": "CRC32"})
             else:
-                if self._fast_put(key, data) == 200:
+                st = self._fast_put(key, data)
+                if st == 200:
                     return
                 self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="CRC32")
+                self._fast_failed(st)
         except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
             raise self._fail("put", key, exc) from None
         except Exception as exc:  # s3transfer wraps failures of multipart uploads
@@ -162,12 +172,33 @@ class S3Store:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="nemo-dcr-s3")
             return self._pool
 
+    def _fast(self):
+        """The plain-request client, unless it is off (failed lately, or for good)."""
+        if self.fast is None or time.monotonic() < self._fast_off_until:
+            return None
+        return self.fast
+
+    def _fast_failed(self, status: int | None) -> None:
+        """A plain request did not succeed where boto3 then did (status: its HTTP status, -1
+        for no answer). A client error means this endpoint does not take our requests
+        (signing, addressing): boto3 only from now on. No answer or a server error: boto3
+        only for FAST_BACKOFF_S."""
+        if self.fast is None or status is None:  # (None: no plain request was made)
+            return
+        if 400 <= status < 500:
+            print(f"nemo-dcr: {self.endpoint_url} refused a plain signed request (HTTP {status}) that boto3 then "
+                  "made: using boto3 only", file=sys.stderr, flush=True)
+            self.fast = None
+        else:
+            self._fast_off_until = time.monotonic() + FAST_BACKOFF_S
+
     def _fast_put(self, key: str, data: bytes, headers: dict[str, str] | None = None) -> int | None:
         """The status of a plain signed PUT, or None if it was not made or not answered."""
-        if self.fast is None:
+        f = self._fast()
+        if f is None:
             return None
-        r = self.fast.request("PUT", f"/{self.bucket}/{self._key(key)}", body=data, headers=headers)
-        return None if r is None else r.status
+        r = f.request("PUT", f"/{self.bucket}/{self._key(key)}", body=data, headers=headers)
+        return -1 if r is None else r.status  # -1: tried, no answer
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """PUT with If-None-Match: * — True if this call created the object, False if it existed."""
@@ -179,10 +210,12 @@ class S3Store:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumAlgorithm="CRC32",
                                    IfNoneMatch="*")
+            self._fast_failed(st)
             return True
         except self._errors.ClientError as exc:
             if self._code(exc) in ("PreconditionFailed", "ConditionalRequestConflict") or \
                     exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                self._fast_failed(st)
                 return False
             raise self._fail("conditional put", key, exc) from None
         except self._errors.BotoCoreError as exc:
@@ -249,18 +282,20 @@ class S3Store:
                 out += [o["Key"][cut:] for o in page.get("Contents", [])]
         except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
             raise self._fail("list", prefix, exc) from None
+        self._fast_failed(-1 if self._fast() is not None else None)
         return sorted(out)
 
     def _fast_list(self, base: str, delimiter: str | None) -> tuple[list[str], list[str]] | None:
         """Every page of a listing as plain signed requests: (keys, common prefixes), or None
         if any page failed (the caller lists through boto3)."""
-        if self.fast is None:
+        f = self._fast()
+        if f is None:
             return None
         keys: list[str] = []
         prefixes: list[str] = []
         token = None
         while True:
-            page = self.fast.list_page(self.bucket, base, delimiter, token)
+            page = f.list_page(self.bucket, base, delimiter, token)
             if page is None:
                 return None
             keys += page.keys
@@ -300,6 +335,7 @@ class S3Store:
                 out.update(o["Key"][len(base):] for o in page.get("Contents", []))
         except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
             raise self._fail("list", prefix, exc) from None
+        self._fast_failed(-1 if self._fast() is not None else None)
         return sorted(out)
 
     def delete(self, keys: list[str]) -> None:

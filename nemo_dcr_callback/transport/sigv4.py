@@ -17,6 +17,8 @@ import datetime
 import hashlib
 import hmac
 import http.client
+import os
+import ssl
 import threading
 import zlib
 from typing import NamedTuple
@@ -102,8 +104,11 @@ class SigV4Client:
         reading with the read timeout."""
         c = getattr(self._local, "conn", None)
         if c is None:
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            c = cls(self.host, self.port, timeout=self.connect_timeout)
+            if self.https:  # the CA bundle boto3 would use, if one is named
+                ctx = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+                c = http.client.HTTPSConnection(self.host, self.port, timeout=self.connect_timeout, context=ctx)
+            else:
+                c = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout)
             c.connect()
             c.sock.settimeout(self.timeout)
             self._local.conn = c
