@@ -193,12 +193,13 @@ class S3Store:
             self._fast_off_until = time.monotonic() + FAST_BACKOFF_S
 
     def _fast_put(self, key: str, data: bytes, headers: dict[str, str] | None = None) -> int | None:
-        """The status of a plain signed PUT, or None if it was not made or not answered."""
+        """The status of a plain signed PUT: None if none was made (the plain path is off), -1 if
+        it got no answer."""
         f = self._fast()
         if f is None:
             return None
         r = f.request("PUT", f"/{self.bucket}/{self._key(key)}", body=data, headers=headers)
-        return -1 if r is None else r.status  # -1: tried, no answer
+        return -1 if r is None else r.status
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """PUT with If-None-Match: * — True if this call created the object, False if it existed."""
@@ -270,39 +271,40 @@ class S3Store:
         except self._errors.BotoCoreError as exc:
             raise self._fail("head", key, exc) from None
 
-    def list(self, prefix: str) -> list[str]:
-        base = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
-        cut = len(self.prefix) + 1 if self.prefix else 0
-        fast = self._fast_list(base, None)
-        if fast is not None:
-            return sorted(k[cut:] for k in fast[0])
-        out: list[str] = []
+    def _base(self, prefix: str) -> str:
+        """The full key prefix a listing of `prefix` asks for (ends with "/", or is empty)."""
+        return self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+
+    def _list_objects(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        """Every page of a listing: (full keys, common prefixes). Plain signed requests first;
+        if any page of those fails, the whole listing through boto3."""
+        base = self._base(prefix)
+        f = self._fast()
+        if f is not None:
+            keys: list[str] = []
+            prefixes: list[str] = []
+            token = None
+            while (page := f.list_page(self.bucket, base, delimiter, token)) is not None:
+                keys += page.keys
+                prefixes += page.prefixes
+                if page.next_token is None:
+                    return keys, prefixes
+                token = page.next_token
+        keys, prefixes = [], []
+        args = {"Bucket": self.bucket, "Prefix": base, **({"Delimiter": delimiter} if delimiter else {})}
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                out += [o["Key"][cut:] for o in page.get("Contents", [])]
+            for page in self.client.get_paginator("list_objects_v2").paginate(**args):
+                keys += [o["Key"] for o in page.get("Contents", [])]
+                prefixes += [c["Prefix"] for c in page.get("CommonPrefixes", [])]
         except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
             raise self._fail("list", prefix, exc) from None
-        self._fast_failed(-1 if self._fast() is not None else None)
-        return sorted(out)
+        if f is not None:
+            self._fast_failed(-1)
+        return keys, prefixes
 
-    def _fast_list(self, base: str, delimiter: str | None) -> tuple[list[str], list[str]] | None:
-        """Every page of a listing as plain signed requests: (keys, common prefixes), or None
-        if any page failed (the caller lists through boto3)."""
-        f = self._fast()
-        if f is None:
-            return None
-        keys: list[str] = []
-        prefixes: list[str] = []
-        token = None
-        while True:
-            page = f.list_page(self.bucket, base, delimiter, token)
-            if page is None:
-                return None
-            keys += page.keys
-            prefixes += page.prefixes
-            if page.next_token is None:
-                return keys, prefixes
-            token = page.next_token
+    def list(self, prefix: str) -> list[str]:
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        return sorted(k[cut:] for k in self._list_objects(prefix, None)[0])
 
     def delete_prefix(self, prefix: str) -> list[str]:
         """Delete every object under prefix and the folder entries a filer-backed server
@@ -322,21 +324,9 @@ class S3Store:
 
     def children(self, prefix: str) -> list[str]:
         """Names directly under prefix (a listing with Delimiter='/')."""
-        base = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
-        fast = self._fast_list(base, "/")
-        if fast is not None:
-            keys, prefixes = fast
-            return sorted({p[len(base):].rstrip("/") for p in prefixes} | {k[len(base):] for k in keys})
-        out: set[str] = set()
-        try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
-                                                                              Delimiter="/"):
-                out.update(c["Prefix"][len(base):].rstrip("/") for c in page.get("CommonPrefixes", []))
-                out.update(o["Key"][len(base):] for o in page.get("Contents", []))
-        except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
-            raise self._fail("list", prefix, exc) from None
-        self._fast_failed(-1 if self._fast() is not None else None)
-        return sorted(out)
+        n = len(self._base(prefix))
+        keys, prefixes = self._list_objects(prefix, "/")
+        return sorted({p[n:].rstrip("/") for p in prefixes} | {k[n:] for k in keys})
 
     def delete(self, keys: list[str]) -> None:
         """Delete objects (missing ones are fine), 1000 per request."""

@@ -29,6 +29,15 @@ _SAFE = "-_.~"
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 
 
+def _uri(path: str) -> str:
+    return quote(path, safe="/" + _SAFE)
+
+
+def _query(query: dict[str, str]) -> str:
+    """The canonical query string (sorted, every name and value encoded): signed, and sent as is."""
+    return "&".join(f"{quote(k, safe=_SAFE)}={quote(v, safe=_SAFE)}" for k, v in sorted(query.items()))
+
+
 class Response(NamedTuple):
     status: int
     body: bytes
@@ -87,8 +96,7 @@ class SigV4Client:
             h["x-amz-security-token"] = token
         names = sorted(h)
         canonical = "\n".join([
-            method, quote(path, safe="/" + _SAFE),
-            "&".join(f"{quote(k, safe=_SAFE)}={quote(v, safe=_SAFE)}" for k, v in sorted(query.items())),
+            method, _uri(path), _query(query),
             "".join(f"{k}:{' '.join(h[k].split())}\n" for k in names), ";".join(names), payload_hash])
         scope = f"{date}/{self.region}/s3/aws4_request"
         to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
@@ -132,9 +140,7 @@ class SigV4Client:
         if signed is None:
             return None
         signed["content-length"] = str(len(body))
-        target = quote(path, safe="/" + _SAFE)
-        if query:
-            target += "?" + "&".join(f"{quote(k, safe=_SAFE)}={quote(v, safe=_SAFE)}" for k, v in query.items())
+        target = _uri(path) + (f"?{_query(query)}" if query else "")
         for _ in range(2):  # a kept-alive connection the server closed meanwhile: once more, fresh
             reused = getattr(self._local, "conn", None) is not None
             try:
