@@ -93,7 +93,8 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     So version k+1 is encoded and uploaded while k waits for receivers' acks. Every outcome is
     reported: ("uploaded", v, stats), ("decided", v, stats) or ("error", v, message)."""
     _lower_priority(spec.nice)
-    torch.set_num_threads(1)
+    if threading.current_thread() is threading.main_thread():  # its own process: a worker thread
+        torch.set_num_threads(1)  # would set the trainer's intra-op threads too (process-wide)
     store = open_store(spec.store_url)
     if threading.current_thread() is threading.main_thread():  # its own process (not the trainer's)
         freeze_long_lived()
@@ -169,8 +170,10 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
             results.put(("error", version, "an earlier version failed"))
             continue
         try:
-            taken = _unpack(spec.placement, payload[0], _attach(payload[1]) if isinstance(payload[1], str)
-                            else payload[1])
+            if isinstance(payload, list):  # a thread: the undo log's own deltas (read only here)
+                taken = [(spec.placement.params[i], d) for i, d in payload]
+            else:
+                taken = _unpack(spec.placement, payload[0], _attach(payload[1]))
             if status.get(base) != "abort":  # a version on an aborted base is aborted unsent
                 t0 = time.perf_counter()
                 w = commit.RankWriter(store, version, base, spec.rank, spec.world, part_bytes=spec.part_bytes)
@@ -239,17 +242,19 @@ class _ShmPool:
         self.free, self.busy = [], {}
 
 
-def _pack(index: dict[int, int], taken: list, pool: _ShmPool | None, version: int) -> tuple:
-    """The deltas of one version as one blob: written straight into a pooled shared-memory
-    segment for a worker process (the queue then carries only its name: no feeder thread
-    streaming megabytes through a pipe under the trainer's GIL), or as bytes for a thread."""
+def _pack(index: dict[int, int], taken: list, pool: _ShmPool | None, version: int) -> tuple | list:
+    """The deltas of one version for the worker. A process gets one blob written straight into
+    a pooled shared-memory segment (the queue then carries only its name: no feeder thread
+    streaming megabytes through a pipe under the trainer's GIL). A thread gets the deltas
+    themselves, by parameter index: they are the undo log's own copies, which nothing writes
+    until the worker has reported the version."""
+    if pool is None:
+        return [(index[id(pm)], d) for pm, d in taken]
     meta, arrs = [], []
     for pm, d in taken:
         parts = [d.positions, d.xor, d.new]
         meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in parts]))
         arrs += [a.contiguous().view(torch.uint8).numpy() for a in parts]
-    if pool is None:
-        return meta, bytearray(b"".join(a.tobytes() for a in arrs))
     total = sum(a.size for a in arrs)
     seg = pool.take(version, total)
     off = 0
@@ -273,7 +278,7 @@ def _attach(name: str) -> memoryview:
 
 
 def _unpack(placement: Placement, meta: list, buf) -> list:
-    """Tensors viewing buf (a segment or a bytearray) in place: valid until the version is
+    """Tensors viewing buf (a shared-memory segment) in place: valid until the version is
     reported uploaded."""
     out, off = [], 0
     for i, count, numel, dtype, dts in meta:

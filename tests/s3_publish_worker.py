@@ -1,7 +1,8 @@
 """torchrun worker for test_s3: real training (TP 2 on CPU, gloo) publishing to S3 with the
 abort policy. Version 1 aborts (a registered receiver never acks) and every rank checks its
 baselines are back at version 0 bit for bit; versions 2 and 3 commit with a live receiver's
-acks, and the receiver ends bit-exact with the dense export of step 3."""
+acks, and the receiver ends bit-exact with the dense export of step 3. argv: the store URL,
+then the publisher's worker ("process", the default, or "thread")."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ warnings.filterwarnings("ignore")
 
 def main() -> int:
     url = sys.argv[1]
+    worker = sys.argv[2] if len(sys.argv) > 2 else "process"
     from nemo_dcr_callback import megatron_cpu
 
     rank = megatron_cpu.init_gloo(2, 1, timeout_s=300)
@@ -39,7 +41,7 @@ def main() -> int:
         commit.register(store, "ghost", 0)  # registered, never acks
     dist.barrier()
     pub = Publisher(model, family=fam, vocab_size=vocab, store=store,
-                    policy=commit.CommitPolicy("abort", timeout=2.0), seal_timeout=60)
+                    policy=commit.CommitPolicy("abort", timeout=2.0), seal_timeout=60, worker=worker)
     snap = {k: v.clone() for k, v in pub.sender.baselines.items()}
     g = torch.Generator().manual_seed(7)
 

@@ -358,22 +358,24 @@ def test_gc_removes_what_nobody_needs(store):
     assert _same(tensors, states[3])
 
 
-def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path):
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path, worker):
     """torchrun, 2 ranks (TP 2), the Publisher on S3 with the abort policy: a registered
     receiver that never acks makes version 1 abort, and every rank's baselines are back at
     version 0 bit for bit; then a live receiver acks versions 2 and 3, which commit (2 on
-    base 0), and it ends bit-exact with the dense export."""
+    base 0), and it ends bit-exact with the dense export. With the worker as a process (the
+    default: deltas through shared memory) and as a thread (the deltas handed over as they are)."""
     from nemo_dcr_callback.launch import torchrun_cmd
 
     env = {**os.environ, **seaweed.env()}
-    url = seaweed.url(f"{seaweed.bucket}/training-abort")
-    cmd = torchrun_cmd(2, [str(ROOT / "tests" / "s3_publish_worker.py"), url])
+    url = seaweed.url(f"{seaweed.bucket}/training-abort-{worker}")
+    cmd = torchrun_cmd(2, [str(ROOT / "tests" / "s3_publish_worker.py"), url, worker])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "baselines restored bit-exact on 2 ranks" in out, out[-3000:]
     assert "receiver bit-exact with the dense export at version 3" in out, out[-3000:]
-    store = seaweed.store("training-abort")
+    store = seaweed.store(f"training-abort-{worker}")
     assert commit.read_decision(store, 1)["decision"] == "abort"
     assert commit.read_decision(store, 2)["decision"] == "commit" and commit.read_record(store, 2)["base"] == 0
     assert commit.read_decision(store, 3)["acked"] == ["rollout-0"]
