@@ -844,3 +844,41 @@ def test_the_relay_client_reads_chunked_bodies_and_refuses_cut_ones():
     with pytest.raises(StoreError, match="not an HTTP response"):
         store.list("versions")
     srv.close()
+
+
+def test_a_part_missing_from_a_stale_listing_is_still_served(tmp_path):
+    """A version's part that the relay's watched listing lacks (a listing answered before the
+    part existed, which crossed the shaped link behind queued part bytes and replaced a
+    listing the news had already extended) is fetched from the parent, not refused: a
+    receiver asks for a part only after seeing it listed or in a manifest. Seen once in the
+    relay bench on a slow host: a receiver refused a version ("part missing from the store")
+    and it was aborted. Records and decisions, which receivers ask for before they exist, are
+    still answered from the listing. In-process: the watcher's state set as it was."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    g = torch.Generator().manual_seed(3)
+    cur = {f"w{i}": random_tensor((256, 256), torch.bfloat16, g, specials=False) for i in range(4)}
+    sender = TensorSender(cur)
+    for k in cur:
+        cur[k].copy_(perturb(cur[k], 0.05, g))
+    sender.stream(origin, 1, 0, part_bytes=1024)
+    vd = commit.vdir(1)
+    parts = [k for k in origin.list(vd) if k.endswith(".dcr")]
+    assert len(parts) >= 2
+    stale = [k for k in origin.list(vd) if k != parts[-1]]  # the last part not in it
+
+    async def main():
+        relay = Relay(origin, RelayConfig(token=TOKEN, poll_s=0.005))  # prefetch on: a watched listing
+        relay.watched_dirs.add(vd)
+        relay.lists[("list", vd)] = (time.monotonic(), stale)
+        relay.watch_alive = time.monotonic()
+        got = await relay.fetch(parts[-1])
+        record = await relay.fetch(commit.decision_key(1))  # not listed, not there: no upstream call
+        return got, record, dict(relay.stats["upstream"])
+
+    got, record, upstream = asyncio.run(main())
+    assert got is not None and got[0] == origin.get(parts[-1])
+    assert record is None and upstream.get("get", 0) == 1

@@ -376,7 +376,14 @@ class Relay:
         return None
 
     def _known_absent(self, key: str) -> bool:
-        """A key of a watched version that the watcher's current listing does not have."""
+        """A record or decision of a watched version that the watcher's current listing does
+        not have: receivers ask for those before they exist, and the answer needs no trip up.
+        Not parts or manifests: nobody asks for one before seeing it listed here or named by a
+        manifest, so a listing without it is older than the asker's news (a listing's answer
+        can cross a shaped link behind queued part bytes and replace one the news had already
+        extended). Those go to the parent; a receiver told "missing" refuses the version."""
+        if not key.endswith(("/VERSION.json", "/DECISION.json")):
+            return False
         names = self._watched_listing(key)
         return names is not None and key not in names
 
