@@ -852,8 +852,9 @@ def test_a_part_missing_from_a_stale_listing_is_still_served(tmp_path):
     listing the news had already extended) is fetched from the parent, not refused: a
     receiver asks for a part only after seeing it listed or in a manifest. Seen once in the
     relay bench on a slow host: a receiver refused a version ("part missing from the store")
-    and it was aborted. Records and decisions, which receivers ask for before they exist, are
-    still answered from the listing. In-process: the watcher's state set as it was."""
+    and it was aborted (how that run's listing went stale was not traced). Records and
+    decisions, which receivers ask for before they exist, are still answered from the listing.
+    In-process: the watcher's state set as a stale listing leaves it."""
     import asyncio
 
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
