@@ -93,10 +93,11 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     So version k+1 is encoded and uploaded while k waits for receivers' acks. Every outcome is
     reported: ("uploaded", v, stats), ("decided", v, stats) or ("error", v, message)."""
     _lower_priority(spec.nice)
-    if threading.current_thread() is threading.main_thread():  # its own process: a worker thread
-        torch.set_num_threads(1)  # would set the trainer's intra-op threads too (process-wide)
+    own_process = threading.current_thread() is threading.main_thread()  # else a thread of the trainer's
+    if own_process:  # (in a thread these would set the trainer's intra-op threads and freeze its objects)
+        torch.set_num_threads(1)
     store = open_store(spec.store_url)
-    if threading.current_thread() is threading.main_thread():  # its own process (not the trainer's)
+    if own_process:
         freeze_long_lived()
     results.put(("ready", 0, None))
     sender = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
@@ -148,7 +149,6 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
     committer = threading.Thread(target=commit_stage, name="nemo-dcr-commit", daemon=True)
     committer.start()
     failed = False
-    own_process = threading.current_thread() is threading.main_thread()
     parent = os.getppid()
     while True:
         try:
