@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve an ack or registration written through this relay from here for this long (a write "
                          "of the same key that went around the relay shows after at most this)")
     ry.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
+    ry.add_argument("--access-log", default=None, metavar="FILE",
+                    help="append one JSON line per request served and per call to the parent (off by default)")
     ry.add_argument("--tls-cert", default=None)
     ry.add_argument("--tls-key", default=None)
 
@@ -312,7 +314,7 @@ def _relay(args) -> int:
                               idle_poll_s=args.idle_poll_ms / 1e3,
                               write_through_poll_s=args.write_through_poll_ms / 1e3,
                               passed_ttl_s=args.passed_ttl_ms / 1e3, prefetch=not args.no_prefetch,
-                              tls_cert=args.tls_cert, tls_key=args.tls_key))
+                              tls_cert=args.tls_cert, tls_key=args.tls_key, access_log=args.access_log))
     return 0
 
 

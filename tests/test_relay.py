@@ -883,3 +883,37 @@ def test_a_part_missing_from_a_stale_listing_is_still_served(tmp_path):
     got, record, upstream = asyncio.run(main())
     assert got is not None and got[0] == origin.get(parts[-1])
     assert record is None and upstream.get("get", 0) == 1
+
+
+def test_the_access_log_traces_requests_and_calls_to_the_parent(tmp_path, relays):
+    """`--access-log FILE`: one JSON line per request served (status, bytes, time) and per call
+    to the parent (what was asked, and whether it was there), so a refusal can be traced to
+    its cause; the token never appears in it. A log that cannot be opened is a clear error."""
+    import json
+
+    origin = FileStore(tmp_path / "origin")
+    origin.put("a/x", b"weights")
+    log = tmp_path / "access.jsonl"
+    root = relays(origin.url, "root", extra=("--access-log", str(log), "--no-prefetch"))
+    rs = RelayStore(root.url, token=TOKEN)
+    assert rs.get("a/x") == b"weights"
+    with pytest.raises(KeyError):
+        rs.get("a/missing")
+    with pytest.raises(StoreError, match="refused the token"):
+        RelayStore(root.url, token="guess").get("a/x")
+    rs.wait(0, 0.01)
+    text = log.read_text()  # (each line is written before its response is sent)
+    assert TOKEN not in text and "guess" not in text
+    lines = [json.loads(ln) for ln in text.splitlines()]
+    assert all(ln["relay"] == "root" and ln["t"] > 0 and ln["ms"] >= 0 for ln in lines)
+    served = [(ln["method"], ln["path"].split("&")[0], ln["status"]) for ln in lines if "method" in ln]
+    assert served == [("GET", "/o/a/x", 200), ("GET", "/o/a/missing", 404), ("GET", "/o/a/x", 401),
+                      ("GET", "/wait?gen=0", 200)]
+    assert next(ln for ln in lines if ln.get("path") == "/o/a/x")["bytes"] == len(b"weights")
+    up = [(ln["up"], ln["arg"], ln["result"], ln.get("n")) for ln in lines if "up" in ln]
+    assert up == [("get", "a/x", "ok", len(b"weights")), ("get", "a/missing", "missing", None)]
+
+    bad = subprocess.run([sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", origin.url,
+                          "--no-token", "--access-log", str(tmp_path / "no" / "such" / "dir" / "log")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "access log" in bad.stderr and "No such file" in bad.stderr

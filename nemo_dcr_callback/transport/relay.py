@@ -97,6 +97,9 @@ class RelayConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     fault: str | None = field(default_factory=lambda: os.environ.get("NEMO_DCR_RELAY_FAULT"))  # tests only
+    # a file getting one JSON line per request served and per call to the parent (None: off):
+    # what was asked, answered and fetched, and when, to trace a refusal back to its cause
+    access_log: str | None = None
 
 
 def mutable(key: str) -> bool:
@@ -220,6 +223,16 @@ class Relay:
         self.port: int | None = None
         self._watcher: asyncio.Task | None = None
         self._pulls: set[asyncio.Task] = set()  # the watcher's pulls under way
+        try:
+            self._log = open(cfg.access_log, "a", buffering=1) if cfg.access_log else None  # line-buffered
+        except OSError as exc:
+            raise ValueError(f"relay access log {cfg.access_log}: {exc.strerror}") from None
+
+    def _trace(self, rec: dict) -> None:
+        """One access-log line (the token is never in it: headers are not logged)."""
+        if self._log is not None:  # (closed by stop() while a request was still under way)
+            self._log.write(json.dumps({"t": round(time.time(), 6), "relay": self.cfg.name, **rec},
+                                       separators=(",", ":")) + "\n")
 
     def _bump(self, *keys: str) -> None:
         """Something new is here: the keys that changed (none: not known which)."""
@@ -264,9 +277,27 @@ class Relay:
     # ------------------------------------------------------------ upstream
     async def _up(self, fn, *args):
         name = getattr(fn, "__name__", "call")
-        if getattr(fn, "__self__", None) is self.parent:
+        up = getattr(fn, "__self__", None) is self.parent
+        if up:
             self.stats["upstream"][name] = self.stats["upstream"].get(name, 0) + 1
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        if not (up and self._log):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        t0, rec = time.perf_counter(), {"up": name, "arg": args[0] if args and isinstance(args[0], str) else
+                                        (list(args[:1]) or None)}
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+            rec["result"] = "ok" if out is not False else "exists"  # (put_if_absent: another write stands)
+            if isinstance(out, (bytes, list)):
+                rec["n"] = len(out)  # bytes fetched, names listed
+            return out
+        except KeyError:
+            rec["result"] = "missing"
+            raise
+        except BaseException as exc:
+            rec["result"] = f"{type(exc).__name__}: {exc}"[:300]
+            raise
+        finally:
+            self._trace({**rec, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
 
     async def fetch(self, key: str) -> tuple[bytes, str] | None:
         """The verified object (bytes, xxh3), from the cache or fetched once; None if absent."""
@@ -497,6 +528,24 @@ class Relay:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        if self._log is None:
+            return await self._serve(request, handler)
+        t0, status, size = time.perf_counter(), None, None
+        try:
+            resp = await self._serve(request, handler)
+            status, size = resp.status, getattr(resp, "content_length", None)
+            return resp
+        except web.HTTPException as exc:  # (aiohttp's own answers: no such route, bad method)
+            status = exc.status
+            raise
+        except BaseException:  # aiohttp answers 500 (or the client went away)
+            status = 500
+            raise
+        finally:
+            self._trace({"peer": request.remote, "method": request.method, "path": request.path_qs,
+                         "status": status, "bytes": size, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
+
+    async def _serve(self, request: web.Request, handler):
         if request.path != "/health" and not self._authorized(request):
             return web.json_response({"error": "missing or wrong relay token"}, status=401)
         kind = request.method if request.path.startswith("/o/") else request.path.lstrip("/")
@@ -700,6 +749,9 @@ class Relay:
         if self.runner:
             await self.runner.cleanup()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def _name_in(op: str, prefix: str, key: str) -> str | None:
