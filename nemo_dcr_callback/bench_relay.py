@@ -91,9 +91,10 @@ def _in_ns(ns: str | None, cmd: list[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd] if ns else cmd
 
 
-def _relay(ns, host, parent, name, env, work) -> tuple[JsonProc, str]:
+def _relay(ns, host, parent, name, env, work, access_log: Path | None = None) -> tuple[JsonProc, str]:
     p = JsonProc(_in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
-                          "--listen", f"{host}:0", "--poll-ms", "5"]), env, work / f"relay-{name}.log")
+                          "--listen", f"{host}:0", "--poll-ms", "5",
+                          *(["--access-log", str(access_log)] if access_log else [])]), env, work / f"relay-{name}.log")
     return p, p.next(60)["listening"]
 
 
@@ -181,7 +182,7 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
 # ------------------------------------------------------------------ the run
 def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 5,
         json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed",
-        rounds: int = 1) -> dict:
+        rounds: int = 1, access_logs: str | None = None) -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback import codec, commit, synthetic
@@ -205,6 +206,13 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     work = Path(tempfile.mkdtemp(prefix="nemo-dcr-relay."))
     token = os.urandom(16).hex()
     scen_rows = []
+    logs = Path(access_logs) if access_logs else None  # each relay's access log, per scenario and round
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def log_for(tag: str, name: str) -> Path | None:
+        return logs / f"{tag}-{name}.jsonl" if logs else None
+
     with ShapedLink(mbit, "10.78.1", "a") as la, ShapedLink(mbit, "10.78.2", "b") as lb, \
             SeaweedS3(work / "s3", ip=la.ip_a) as s3:
         links = {"a": la, "b": lb}
@@ -228,7 +236,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                 if name.startswith("dcr-relay"):
                     from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 
-                    p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work)
+                    p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work, log_for(tag, "root"))
                     procs.append(p)
                     relay_urls.append(root_url)
                     # the sender (and committer) writes through the root relay, which passes every
@@ -241,7 +249,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
                     url = s3.url(prefix)
                     if root_url:
                         p, rurl = _relay(link.ns, link.ip_b, f"{root_url},{s3.url(prefix)}", f"region-{region}",
-                                         env, work)
+                                         env, work, log_for(tag, f"region-{region}"))
                         procs.append(p)
                         relay_urls.append(rurl)
                         url = f"{rurl},{root_url},{s3.url(prefix)}"

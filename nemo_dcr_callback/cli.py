@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the DCR scenarios this many times, in turn (medians over every round's versions; "
                          "the host drifts between scenarios)")
     bl.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
+    bl.add_argument("--access-logs", default=None, metavar="DIR",
+                    help="every relay writes its access log here (SCENARIO-RELAY.jsonl), to trace a failed run")
 
     pl = sub.add_parser("plan", help="predict a refit's time from measured parts (docs/PLANNER.md)")
     pl.add_argument("--params", type=float, default=None, help="parameters (e.g. 1e12)")
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
-                            scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds)
+                            scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds,
+                            access_logs=args.access_logs)
         elif args.cmd == "relay":
             return _relay(args)
         elif args.cmd == "plan":

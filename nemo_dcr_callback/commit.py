@@ -406,12 +406,14 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
         token, news = wait_news(store, token, policy.poll, max(policy.poll, min(1.0, deadline - time.monotonic())))
 
 
-def await_decision(store, v: int, timeout: float, poll: float = 0.01) -> Decision:
-    """Wait for the decision on v (non-committing ranks, receivers)."""
+def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int = 0) -> Decision:
+    """Wait for the decision on v (non-committing ranks, receivers). token: the caller's last
+    change token of this store (a relay's generation), if it has one: with 0 the first
+    long-poll returned at once (anything is news after 0) and the decision was asked for
+    twice before it could exist (2 of a receiver's ~30 requests per version)."""
     from nemo_dcr_callback.transport.store import wait_change
 
     deadline = time.monotonic() + timeout
-    token = 0
     while True:
         d = read_decision(store, v)
         if d is not None:

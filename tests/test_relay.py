@@ -917,3 +917,29 @@ def test_the_access_log_traces_requests_and_calls_to_the_parent(tmp_path, relays
                           "--no-token", "--access-log", str(tmp_path / "no" / "such" / "dir" / "log")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "access log" in bad.stderr and "No such file" in bad.stderr
+
+
+def test_a_receiver_waiting_for_the_decision_long_polls_from_where_it_was(tmp_path, relays):
+    """After its ack a receiver long-polls for the decision from its last generation of the
+    relay, not from 0: from 0 the first wait came back at once (anything is news after 0) and
+    the decision was asked for twice before it could exist, two of its ~30 requests per
+    version. Counted in the relay's access log: a wait from 0 only as the follower's first."""
+    import json
+
+    origin = FileStore(tmp_path / "origin")
+    log = tmp_path / "access.jsonl"
+    root = relays(origin.url, "root", extra=("--access-log", str(log)))
+    states = _states(3)
+    recv, _, ths, errs = _followers(states, [root.url], until=3)
+    for v in (1, 2, 3):
+        _publish(origin, v, states[v - 1], states[v])
+    for t in ths:
+        t.join(60)
+    assert not errs, errs
+    assert _same(recv[0], states[3])
+    served = [json.loads(ln) for ln in log.read_text().splitlines()]
+    served = [ln for ln in served if "method" in ln]
+    acks = [ln for ln in served if ln["method"] == "PUT" and "/acks/" in ln["path"]]
+    assert len(acks) == 3
+    from_zero = [ln for ln in served if ln["path"].startswith("/wait?gen=0&")]
+    assert len(from_zero) == 1 and from_zero[0]["t"] < acks[0]["t"], [ln["path"] for ln in from_zero]

@@ -410,7 +410,7 @@ class Follower:
             commit.write_ack(self.store, v, self.receiver_id, self.version)
         if wait_decision:
             try:
-                d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s)
+                d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s, self._token)
             except BaseException:  # no decision (timeout, store down): back on the version held
                 if v in self._parts and self._parts[v].undo:
                     self._undo(self._parts[v])  # the verified parts stay: a retry applies them again
