@@ -488,6 +488,10 @@ class Follower:
         """Apply every version that follows the one held, in order (streaming the newest one
         while it is written); on_apply runs right after each."""
         out = []
+        # what a relay's long-poll named as new since the last poll (None: not known); it is
+        # this poll's news, so after an apply in the loop below nothing is news any more
+        told, self._news = self._news, None
+        news = told
         while True:
             progressed = streamed = False
             # While the next version streams, one listing of its folder is the whole poll: it
@@ -496,7 +500,6 @@ class Follower:
             # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
             listings: dict[int, list[str]] = {}
-            news, self._news = self._news, None
             if nxt in self._parts and nxt not in self.refused:
                 listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
                 self._listed = (nxt, listing)
@@ -506,10 +509,14 @@ class Follower:
                     return out
             if nxt in self._parts:
                 known = [nxt]
-            elif news is not None and not self._names_newer(news):
-                known = []  # the relay named everything new since the last poll: no newer version
+            elif told is not None and not self._names_newer(told):
+                # the relay named everything new up to this poll and none of it is after the
+                # version held (now: also after an apply here); anything since is the next wait's
+                # news. Listing the versions after each apply cost a request per version.
+                known = []
             else:
                 known = commit.list_versions(self.store)
+            news = None
             for v in [v for v in known if v > self.version]:
                 # One listing says whether v has a decision and a record (read only if so) and
                 # which parts are there: a version that just appeared costs one round trip
@@ -524,6 +531,7 @@ class Follower:
                 rec = commit.read_record(self.store, v) if commit.version_record(v) in listing else None
                 if rec is None:
                     if d is None and not streamed:
+                        self._listed = (v, listing)  # the next poll adds the news to it: no listing
                         self.prefetch(v, listing)  # still being written: stream what is there
                         self._apply_early(v)
                         streamed = True
