@@ -132,7 +132,8 @@ def receiver_main(args: list[str]) -> int:
     torch.set_num_threads(2)
     store = open_store(a.url)
     tensors = {k: v.clone() for k, v in load_file(a.init).items()}
-    f = Follower(store, tensors, version=0, receiver_id="rollout-0", poll_s=0.005, early=APPLY_MODES[a.apply])
+    f = Follower(store, tensors, version=0, receiver_id="rollout-0", poll_s=0.005, idle_poll_s=0.005,
+                 early=APPLY_MODES[a.apply])  # polls S3 every 5 ms throughout: the figures are the transport's
     freeze_long_lived()  # as `nemo-dcr receive` does
 
     def out(d: dict) -> None:

@@ -69,7 +69,8 @@ def receiver_main(args: list[str]) -> int:
 
     if a.versions:  # DCR: follow the store (or relay chain), then report the bits held
         store = open_store(a.url)
-        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, early=APPLY_MODES[a.apply])
+        f = Follower(store, tensors, version=0, receiver_id=a.id, poll_s=0.005, idle_poll_s=0.005,  # no idle back-off
+                     early=APPLY_MODES[a.apply])
         freeze_long_lived()  # as `nemo-dcr receive` does
         out({"ready": True, "cpu_s": time.process_time()})
         f.follow(until=a.versions, timeout=600, on_apply=lambda x: out(

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--fetch-lanes", type=_positive, default=2,
                     help="parts of a version downloading at once (more for a store far away: a link with "
                          "a large bandwidth-delay product)")
+    rc.add_argument("--idle-poll-ms", type=float, default=100.0,
+                    help="on a store that cannot long-poll (S3, file://): after a second with nothing new, the "
+                         "longest pause between polls (each poll of S3 is a LIST request; relays are long-polled)")
     rc.add_argument("--apply", choices=["loader", "direct"], default="loader",
                     help="place changes through the model's own loader (default) or write tensors directly")
 
@@ -388,9 +391,11 @@ def main(argv: list[str] | None = None) -> int:
             args.store = _receive_store(args)
             if args.model_dir:
                 return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
-                                       receiver_id=args.id, fetch_lanes=args.fetch_lanes)
+                                       receiver_id=args.id, fetch_lanes=args.fetch_lanes,
+                                       idle_poll_s=args.idle_poll_ms / 1e3)
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
-                               args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes)
+                               args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes,
+                               idle_poll_s=args.idle_poll_ms / 1e3)
         elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

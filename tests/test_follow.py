@@ -366,3 +366,40 @@ def test_part_decoded_as_its_bytes_arrive(tmp_path):
     flipped[len(chunks[0]) // 2] ^= 1
     with pytest.raises(codec.ChunkError, match="checksum"):
         _PartDecoder(lambda h: None).feed(bytes(flipped))
+
+
+def test_an_idle_follower_of_a_polled_store_backs_off_and_still_sees_the_next_version(tmp_path):
+    """A store that cannot long-poll (S3, file://) is polled, and each poll of S3 is a LIST
+    request: an idle receiver listed it about 77 times a second. After IDLE_AFTER_S with
+    nothing new the pause doubles up to idle_poll_s, and a version that then appears is still
+    applied, bit-exact."""
+    import time
+
+    from nemo_dcr_callback.receiver.follow import IDLE_AFTER_S
+
+    class Polls:  # the real store, its listings timed
+        def __init__(self, store):
+            self.store, self.at = store, []
+
+        def children(self, prefix):
+            self.at.append(time.monotonic())
+            return self.store.children(prefix)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = Polls(FileStore(tmp_path))
+    states = [_model()]
+    states.append({k: perturb(t, 0.05, torch.Generator().manual_seed(2)) for k, t in states[0].items()})
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors, poll_s=0.005, idle_poll_s=0.2)
+    th = threading.Thread(target=f.follow, kwargs={"until": 1, "timeout": 30})
+    t0 = time.monotonic()
+    th.start()
+    time.sleep(IDLE_AFTER_S + 2.0)
+    idle = [t for t in store.at if t > t0 + IDLE_AFTER_S + 1.0]  # the last second: backed off
+    assert len(store.at) > 20 and len(idle) <= 8, (len(store.at), len(idle))  # at 5 ms it was ~100+
+    _publish(store.store, 1, 0, states[0], states[1])
+    th.join(10)
+    assert not th.is_alive() and f.version == 1
+    assert all(torch.equal(bits(tensors[k]), bits(states[1][k])) for k in tensors)

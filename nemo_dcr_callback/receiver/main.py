@@ -54,7 +54,7 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
 
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
                 timeout: float, apply: str = "loader", receiver_id: str | None = None,
-                fetch_lanes: int = FETCH_LANES) -> int:
+                fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1) -> int:
     store = open_store(url)
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
@@ -63,9 +63,11 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
 
         shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
         target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes)
-        f = Follower(store, target, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
+        f = Follower(store, target, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
+                     idle_poll_s=idle_poll_s)
     else:
-        f = Follower(store, tensors, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
+        f = Follower(store, tensors, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
+                     idle_poll_s=idle_poll_s)
     freeze_long_lived()
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
@@ -99,13 +101,15 @@ def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_app
 
 
 def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, timeout: float,
-                    receiver_id: str | None = None, fetch_lanes: int = FETCH_LANES) -> int:
+                    receiver_id: str | None = None, fetch_lanes: int = FETCH_LANES,
+                    idle_poll_s: float = 0.1) -> int:
     """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
     from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
 
     store = open_store(url)
     target = CheckpointDirTarget(model_dir)
-    f = Follower(store, target, version=target.version, receiver_id=receiver_id, fetch_lanes=fetch_lanes)
+    f = Follower(store, target, version=target.version, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
+                 idle_poll_s=idle_poll_s)
     freeze_long_lived()
     print(f"receiver: {model_dir} holds version {target.version}", flush=True)
 
