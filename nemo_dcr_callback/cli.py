@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--write-through-poll-ms", type=float, default=1000.0,
                     help="the same while senders write through this relay (listings then only catch writes that "
                          "went around it)")
+    ry.add_argument("--dormant-after-s", type=float, default=60.0,
+                    help="after this long with nothing new in the parent or written through, list the parent "
+                         "only every --dormant-poll-ms (an idle relay over S3 listed it 25 times a second)")
+    ry.add_argument("--dormant-poll-ms", type=float, default=1000.0)
     ry.add_argument("--passed-ttl-ms", type=float, default=60000.0,
                     help="serve an ack or registration written through this relay from here for this long (a write "
                          "of the same key that went around the relay shows after at most this)")
@@ -318,6 +322,7 @@ def _relay(args) -> int:
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
                               write_through_poll_s=args.write_through_poll_ms / 1e3,
+                              dormant_after_s=args.dormant_after_s, dormant_poll_s=args.dormant_poll_ms / 1e3,
                               passed_ttl_s=args.passed_ttl_ms / 1e3, prefetch=not args.no_prefetch,
                               tls_cert=args.tls_cert, tls_key=args.tls_key, access_log=args.access_log))
     return 0

@@ -943,3 +943,47 @@ def test_a_receiver_waiting_for_the_decision_long_polls_from_where_it_was(tmp_pa
     assert len(acks) == 3
     from_zero = [ln for ln in served if ln["path"].startswith("/wait?gen=0&")]
     assert len(from_zero) == 1 and from_zero[0]["t"] < acks[0]["t"], [ln["path"] for ln in from_zero]
+
+
+def test_a_dormant_relay_lists_its_parent_rarely_and_still_finds_a_new_version(tmp_path):
+    """Nothing new in the parent and nothing written through for dormant_after_s: the watcher
+    lists the parent only every dormant_poll_s (an idle root relay listed S3 25 times a
+    second), and an object that then appears upstream is still found and announced."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    class Listings:  # the real origin store, its listings counted
+        def __init__(self, store):
+            self.store, self.n = store, 0
+
+        def children(self, prefix):
+            self.n += 1
+            return self.store.children(prefix)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    origin = Listings(FileStore(tmp_path / "origin"))
+
+    async def main():
+        relay = Relay(origin, RelayConfig(token=TOKEN, poll_s=0.005, idle_poll_s=0.04, dormant_after_s=0.5,
+                                          dormant_poll_s=0.8))
+        watcher = asyncio.create_task(relay.watch())
+        await asyncio.sleep(1.5)  # awake 0.5 s (listing every 40 ms at most), then dormant
+        n0 = origin.n
+        await asyncio.sleep(2.0)
+        dormant = origin.n - n0
+        gen = relay.gen
+        origin.store.put("versions/0000000001/rank-00000.json", b'{"parts": []}')
+        t0 = time.monotonic()
+        while relay.gen == gen and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        found = time.monotonic() - t0
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        return n0, dormant, found, relay.changed_since(gen, True)
+
+    awake, dormant, found, news = asyncio.run(main())
+    assert awake >= 10 and dormant <= 4, (awake, dormant)  # at 40 ms: about 50 in 2 s
+    assert found < 2.0 and news is not None and "versions/0000000001/rank-00000.json" in news

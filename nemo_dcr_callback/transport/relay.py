@@ -21,8 +21,9 @@ from its parent (the origin store, or the relay above it) once:
   the tree without waiting for the watcher to find it in the origin; a committer reading
   acks through the relay long-polls instead of polling the origin.
 - The watcher lists the parent every `poll_s` while rounds find objects it did not hold
-  already, and backs off (up to `idle_poll_s`) otherwise, so an idle tree does not keep the
-  origin busy. Writes through this relay are held and listed as they come: they are no
+  already, and backs off (up to `idle_poll_s`) otherwise, and once nothing new has turned
+  up for `dormant_after_s` only lists every `dormant_poll_s`, so an idle tree does not keep
+  the origin busy. Writes through this relay are held and listed as they come: they are no
   reason to list the parent. While senders write through it, the parent is listed only every
   `write_through_poll_s`, for writes that went around the relay (a sender's failover): on
   SeaweedFS a listing costs the relay 1.5-5 ms of CPU (boto3) and the server about 1 ms.
@@ -82,6 +83,12 @@ class RelayConfig:
     # S3 a listing costs the relay 1.5-5 ms of CPU (boto3 parses XML); at 0.25 s the bench's
     # root relay listed S3 5-6 times per version.
     write_through_poll_s: float = 1.0
+    # ... and once nothing new has turned up in the parent or been written through this relay
+    # for dormant_after_s (no training running, or steps minutes apart): an idle root relay
+    # listed S3 25 times a second (3.5% of a core here, 6% in SeaweedFS; on AWS, LIST requests
+    # are billed). A version that then starts around the relay is seen up to this much later.
+    dormant_after_s: float = 60.0
+    dormant_poll_s: float = 1.0
     # a mutable object (an ack, a registration) written through this relay is served from here
     # for this long: the committer reads each ack right after it is written and every
     # registration at each version, and those reads then need no round trip to the origin (on
@@ -203,6 +210,7 @@ class Relay:
         # mutable objects (acks, registrations) written through this relay: (when, bytes, xxh3)
         self.passed: dict[str, tuple[float, bytes, str]] = {}
         self.immutable_put_at = -1e9  # when a sender last wrote through this relay
+        self.new_at = time.monotonic()  # when a listing of the parent last showed something new
         self.manifest_parts: dict[str, dict] = {}
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
@@ -384,6 +392,7 @@ class Relay:
                 diff = [n if op == "list" else f"{prefix}/{n}" if prefix else n for n in set(out) - old]
                 if diff:
                     self._bump(*diff)
+                    self.new_at = time.monotonic()
                 if old - set(out):  # something went (a collected version): the news feed says "list"
                     self._bump()
                 if not all(self._written_here(k) for k in diff) or old - set(out):
@@ -511,8 +520,11 @@ class Relay:
                     pass
             # nothing new from the parent: back off (up to idle_poll_s, or write_through_poll_s)
             cap = self.cfg.idle_poll_s
-            if time.monotonic() - self.immutable_put_at < WRITE_THROUGH_S:
+            now = time.monotonic()
+            if now - self.immutable_put_at < WRITE_THROUGH_S:
                 cap = max(cap, self.cfg.write_through_poll_s)
+            elif now - self.new_at > self.cfg.dormant_after_s:
+                cap = max(cap, self.cfg.dormant_poll_s)
             pause = self.cfg.poll_s if self._upstream_news else min(2 * pause, max(self.cfg.poll_s, cap))
             await asyncio.sleep(pause)
 
