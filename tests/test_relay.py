@@ -987,3 +987,56 @@ def test_a_dormant_relay_lists_its_parent_rarely_and_still_finds_a_new_version(t
     awake, dormant, found, news = asyncio.run(main())
     assert awake >= 10 and dormant <= 4, (awake, dormant)  # at 40 ms: about 50 in 2 s
     assert found < 2.0 and news is not None and "versions/0000000001/rank-00000.json" in news
+
+
+def test_a_chain_fallen_back_to_the_origin_is_polled_with_back_off(tmp_path):
+    """A failover chain whose relay is gone is on the origin, which cannot long-poll: a relay
+    below it and a receiver on it poll it with their idle back-off. Before, the chain's wait
+    slept 5 ms whatever the caller's pause: an idle relay listed the origin 180 times a
+    second, and a receiver about as often. A version published then still arrives."""
+    import asyncio
+
+    from nemo_dcr_callback.receiver.follow import IDLE_AFTER_S
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    class Listings:  # the real origin store, its listings timed
+        def __init__(self, store):
+            self.store, self.at = store, []
+
+        def children(self, prefix):
+            self.at.append(time.monotonic())
+            return self.store.children(prefix)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    def chain(origin):  # a relay that is not there (port 1), then the origin
+        return FailoverStore([RelayStore("relay://127.0.0.1:1", token=TOKEN), origin], quiet=True)
+
+    origin = Listings(FileStore(tmp_path / "origin"))
+
+    async def relay_idle():
+        relay = Relay(chain(origin), RelayConfig(token=TOKEN, poll_s=0.005, idle_poll_s=0.04))
+        watcher = asyncio.create_task(relay.watch())
+        await asyncio.sleep(3.0)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+    t0 = time.monotonic()
+    asyncio.run(relay_idle())
+    per_s = len([t for t in origin.at if t > t0 + 1.0]) / 2.0
+    assert per_s <= 40, per_s  # 25 at the 40 ms cap (180 before)
+
+    origin.at.clear()
+    states = _states(1)
+    recv = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(chain(origin), recv, poll_s=0.005, idle_poll_s=0.2)
+    th = threading.Thread(target=f.follow, kwargs={"until": 1, "timeout": 30})
+    t0 = time.monotonic()
+    th.start()
+    time.sleep(IDLE_AFTER_S + 2.0)
+    idle = [t for t in origin.at if t > t0 + IDLE_AFTER_S + 1.0]
+    assert len(idle) <= 8, len(idle)  # the last second, backed off to 0.2 s
+    _publish(origin.store, 1, states[0], states[1])
+    th.join(20)
+    assert not th.is_alive() and f.version == 1 and _same(recv, states[1])

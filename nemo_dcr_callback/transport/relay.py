@@ -56,6 +56,7 @@ import xxhash
 from aiohttp import web
 
 from nemo_dcr_callback import codec
+from nemo_dcr_callback.transport.store import long_polls
 
 CHECKSUM_HEADER = "X-DCR-XXH3"
 # A relay that held a sender's write within this long counts as written through (its watcher
@@ -511,8 +512,11 @@ class Relay:
                 except (OSError, KeyError):
                     pass  # the parent chain re-attaches; try again next round
             news = None
-            waiter = getattr(self.parent, "wait_keys", None)
-            if waiter is not None:  # a relay above: long-poll it instead of polling
+            # a relay above: long-poll it instead of polling (a failover chain that fell back to
+            # the origin is polled, with the back-off below: it listed the origin 180 times a
+            # second when idle)
+            waiter = self.parent.wait_keys if long_polls(self.parent) else None
+            if waiter is not None:
                 try:
                     self._parent_gen, news = await self._up(waiter, self._parent_gen, 1.0, True)
                     continue

@@ -123,6 +123,8 @@ class RelayStore:
     about 0.27 ms of CPU per request, http.client about 0.13 ms, against about 0.04 ms here, on
     the same 2 cores the relays and the receivers share in the relay bench."""
 
+    long_polls = True  # GET /wait (transport.store.wait_news)
+
     def __init__(self, url: str, token: str | None = None, timeout: float | None = None):
         u = urlparse(url)
         if u.scheme not in ("relay", "relays") or not u.hostname or not u.port:
@@ -281,6 +283,12 @@ class FailoverStore:
     @property
     def current(self):
         return self.stores[self.i]
+
+    @property
+    def long_polls(self) -> bool:
+        """While on a relay; once fallen back to the origin (S3), polled like it: a follower
+        or relay below then backs off when idle instead of listing S3 every few ms."""
+        return bool(getattr(self.current, "long_polls", False))
 
     def _call(self, op: str, *args):
         while True:

@@ -114,26 +114,31 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
+def long_polls(store) -> bool:
+    """Can the store answer a long-poll now: a relay, or a failover chain currently on one (a
+    chain that fell back to S3 is polled, and backs off like S3)."""
+    return bool(getattr(store, "long_polls", False))
+
+
 def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: bool = False) -> int:
     """Pause until the store may have changed. A relay long-polls (returns as soon as it has
     something new, so a fleet of receivers does not busy-poll it; data_only: only a new part,
     manifest, record or decision counts, not acks or registrations); other stores sleep `poll`.
     Pass back the returned token next time (start with 0)."""
-    w = getattr(store, "wait", None)
-    if w is None:
+    if not long_polls(store):
         time.sleep(poll)
         return token
-    return w(token, limit, data_only)
+    return store.wait(token, limit, data_only)
 
 
 def wait_news(store, token: int, poll: float, limit: float = 1.0,
               data_only: bool = False) -> tuple[int, list[str] | None]:
     """wait_change(), also returning the keys new since `token` where the store can name them
     (a relay's news feed); None where it cannot: then list."""
-    w = getattr(store, "wait_keys", None)
-    if w is None:
-        return wait_change(store, token, poll, limit, data_only), None
-    return w(token, limit, data_only)
+    if not long_polls(store):
+        time.sleep(poll)
+        return token, None
+    return store.wait_keys(token, limit, data_only)
 
 
 def open_store(url: str):
