@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -62,6 +64,21 @@ def race(fn, n: int) -> list:
     for t in ths:
         t.join()
     return out
+
+
+class TimedListings:
+    """A real store whose `children` listings (a follower's or a relay's poll of it) are
+    timed in .at; everything else passes through."""
+
+    def __init__(self, store):
+        self.store, self.at = store, []
+
+    def children(self, prefix):
+        self.at.append(time.monotonic())
+        return self.store.children(prefix)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
 
 
 def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, specials: bool = True) -> torch.Tensor:

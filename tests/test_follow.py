@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import perturb, race, random_tensor
+from conftest import TimedListings, perturb, race, random_tensor
 
 from nemo_dcr_callback import codec, commit
 from nemo_dcr_callback.delta import bits
@@ -377,18 +377,7 @@ def test_an_idle_follower_of_a_polled_store_backs_off_and_still_sees_the_next_ve
 
     from nemo_dcr_callback.receiver.follow import IDLE_AFTER_S
 
-    class Polls:  # the real store, its listings timed
-        def __init__(self, store):
-            self.store, self.at = store, []
-
-        def children(self, prefix):
-            self.at.append(time.monotonic())
-            return self.store.children(prefix)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
-
-    store = Polls(FileStore(tmp_path))
+    store = TimedListings(FileStore(tmp_path))
     states = [_model()]
     states.append({k: perturb(t, 0.05, torch.Generator().manual_seed(2)) for k, t in states[0].items()})
     tensors = {k: t.clone() for k, t in states[0].items()}

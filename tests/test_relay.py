@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import urllib3
-from conftest import perturb, random_tensor
+from conftest import TimedListings, perturb, random_tensor
 
 from nemo_dcr_callback import commit
 from nemo_dcr_callback.delta import bits
@@ -953,27 +953,16 @@ def test_a_dormant_relay_lists_its_parent_rarely_and_still_finds_a_new_version(t
 
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
 
-    class Listings:  # the real origin store, its listings counted
-        def __init__(self, store):
-            self.store, self.n = store, 0
-
-        def children(self, prefix):
-            self.n += 1
-            return self.store.children(prefix)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
-
-    origin = Listings(FileStore(tmp_path / "origin"))
+    origin = TimedListings(FileStore(tmp_path / "origin"))
 
     async def main():
         relay = Relay(origin, RelayConfig(token=TOKEN, poll_s=0.005, idle_poll_s=0.04, dormant_after_s=0.5,
                                           dormant_poll_s=0.8))
         watcher = asyncio.create_task(relay.watch())
         await asyncio.sleep(1.5)  # awake 0.5 s (listing every 40 ms at most), then dormant
-        n0 = origin.n
+        n0 = len(origin.at)
         await asyncio.sleep(2.0)
-        dormant = origin.n - n0
+        dormant = len(origin.at) - n0
         gen = relay.gen
         origin.store.put("versions/0000000001/rank-00000.json", b'{"parts": []}')
         t0 = time.monotonic()
@@ -999,21 +988,10 @@ def test_a_chain_fallen_back_to_the_origin_is_polled_with_back_off(tmp_path):
     from nemo_dcr_callback.receiver.follow import IDLE_AFTER_S
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
 
-    class Listings:  # the real origin store, its listings timed
-        def __init__(self, store):
-            self.store, self.at = store, []
-
-        def children(self, prefix):
-            self.at.append(time.monotonic())
-            return self.store.children(prefix)
-
-        def __getattr__(self, name):
-            return getattr(self.store, name)
-
     def chain(origin):  # a relay that is not there (port 1), then the origin
         return FailoverStore([RelayStore("relay://127.0.0.1:1", token=TOKEN), origin], quiet=True)
 
-    origin = Listings(FileStore(tmp_path / "origin"))
+    origin = TimedListings(FileStore(tmp_path / "origin"))
 
     async def relay_idle():
         relay = Relay(chain(origin), RelayConfig(token=TOKEN, poll_s=0.005, idle_poll_s=0.04))
