@@ -406,11 +406,14 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
         token, news = wait_news(store, token, policy.poll, max(policy.poll, min(1.0, deadline - time.monotonic())))
 
 
-def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int = 0) -> Decision:
+def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int = 0,
+                   max_poll: float | None = None) -> Decision:
     """Wait for the decision on v (non-committing ranks, receivers). token: the caller's last
     change token of this store (a relay's generation), if it has one: with 0 the first
     long-poll returned at once (anything is news after 0) and the decision was asked for
-    twice before it could exist (2 of a receiver's ~30 requests per version)."""
+    twice before it could exist (2 of a receiver's ~30 requests per version). max_poll: on a
+    store that is polled, the pause doubles from `poll` up to this (callers off the refit's
+    path: each poll of S3 is a request, and a large job has a poller per rank)."""
     from nemo_dcr_callback.transport.store import wait_change
 
     deadline = time.monotonic() + timeout
@@ -422,6 +425,8 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int
         if left < 0:
             raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
         token = wait_change(store, token, poll, min(1.0, left), data_only=True)  # a decision is data
+        if max_poll is not None:
+            poll = min(2 * poll, max(max_poll, poll))
 
 
 # ------------------------------------------------------------------ restarting a sender

@@ -70,7 +70,10 @@ class _WorkerSpec:
     part_bytes: int = 4 << 20
 
 
-DECISION_POLL_S = 0.05  # how often ranks other than 0 look for a version's decision
+DECISION_POLL_S = 0.05  # how often ranks other than 0 first look for a version's decision,
+DECISION_MAX_POLL_S = 1.0  # then less and less often, up to this: they are off the refit's path
+# (receivers read the decision themselves; a rank only drops or undoes its undo log on it), and
+# on S3 each look is a GET, from every rank of the job: 20 a second each at 50 ms throughout
 
 
 def _lower_priority(nice: int) -> None:
@@ -132,7 +135,7 @@ def _worker_loop(spec: _WorkerSpec, jobs, results) -> None:
                 else:  # off the refit's path (receivers read the decision themselves): poll gently,
                     # each poll is CPU taken from training on a busy host
                     d = commit.await_decision(store, version, spec.seal_timeout + spec.policy.timeout + 60,
-                                              poll=DECISION_POLL_S)
+                                              poll=DECISION_POLL_S, max_poll=DECISION_MAX_POLL_S)
                 st.commit_s = time.perf_counter() - t0 - st.seal_s
                 st.decision, st.reason = d["decision"], d["reason"]
                 status[version] = d["decision"]

@@ -392,3 +392,39 @@ def test_an_idle_follower_of_a_polled_store_backs_off_and_still_sees_the_next_ve
     th.join(10)
     assert not th.is_alive() and f.version == 1
     assert all(torch.equal(bits(tensors[k]), bits(states[1][k])) for k in tensors)
+
+
+def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_path):
+    """Ranks other than 0 only drop or undo their undo log on a version's decision, and on S3
+    each look is a GET from every rank of the job: the pause doubles from 50 ms up to 1 s
+    (publisher.DECISION_MAX_POLL_S) instead of 20 looks a second throughout. The decision is
+    still found, at most a pause after it is written."""
+    import time
+
+    from nemo_dcr_callback.publisher import DECISION_MAX_POLL_S, DECISION_POLL_S
+
+    class Reads:  # the real store, its reads of the decision counted
+        def __init__(self, store):
+            self.store, self.n = store, 0
+
+        def get(self, key):
+            if key == commit.decision_key(1):
+                self.n += 1
+            return self.store.get(key)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = Reads(FileStore(tmp_path))
+    written = []
+
+    def decide():
+        commit.decide(store.store, 1, 0, "commit", ["rx"], [], "")
+        written.append(time.monotonic())
+
+    threading.Timer(1.6, decide).start()
+    d = commit.await_decision(store, 1, 30, poll=DECISION_POLL_S, max_poll=DECISION_MAX_POLL_S)
+    lag = time.monotonic() - written[0]
+    assert d["decision"] == "commit"
+    assert 3 <= store.n <= 8, store.n  # 0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55 s; at 50 ms it was 33
+    assert lag <= DECISION_MAX_POLL_S + 0.5, lag
