@@ -527,7 +527,7 @@ class Relay:
             now = time.monotonic()
             if now - self.immutable_put_at < WRITE_THROUGH_S:
                 cap = max(cap, self.cfg.write_through_poll_s)
-            elif now - self.new_at > self.cfg.dormant_after_s:
+            elif now - max(self.new_at, self.immutable_put_at) > self.cfg.dormant_after_s:
                 cap = max(cap, self.cfg.dormant_poll_s)
             pause = self.cfg.poll_s if self._upstream_news else min(2 * pause, max(self.cfg.poll_s, cap))
             await asyncio.sleep(pause)
