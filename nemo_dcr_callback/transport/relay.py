@@ -554,7 +554,7 @@ class Relay:
         except web.HTTPException as exc:  # (aiohttp's own answers: no such route, bad method)
             status = exc.status
             raise
-        except BaseException:  # aiohttp answers 500 (or the client went away)
+        except BaseException:  # aiohttp answers 500
             status = 500
             raise
         finally:
