@@ -1024,15 +1024,16 @@ def test_a_receiver_lists_each_version_once_through_a_relay(tmp_path, relays):
     """Behind a relay, a receiver learns new keys from the long-poll's news: it lists the
     versions when the news names a newer one and lists that version's folder once as its
     streaming starts; it neither lists the versions again after each apply nor the new
-    version twice. Counted in the relay's access log: here 10 `children` for 4 versions
-    before, 6 after (the bench's region relays: 2.25 and 2 listings per receiver and version
-    before, 1.25 and 1 after; the second listing of a starting version did not show here)."""
+    version twice. Counted in the relay's access log: here 18-19 `children` for 8 versions
+    before, 10-12 after, the exact count depending on when the news arrives (the bench's
+    region relays: 2.25 and 2 listings per receiver and version before, 1.25 and 1 after; the
+    second listing of a starting version did not show here)."""
     import json
 
     origin = FileStore(tmp_path / "origin")
     log = tmp_path / "access.jsonl"
     root = relays(origin.url, "root", extra=("--access-log", str(log)))
-    n = 4
+    n = 8
     states = _states(n)
     recv, _, ths, errs = _followers(states, [root.url], until=n)
     for v in range(1, n + 1):
@@ -1046,4 +1047,4 @@ def test_a_receiver_lists_each_version_once_through_a_relay(tmp_path, relays):
     paths = [ln["path"] for ln in served if "method" in ln]
     children = sum(p.startswith("/children?prefix=versions") for p in paths)
     listings = sum(p.startswith("/list?prefix=versions") for p in paths)
-    assert children <= n + 2 and listings <= n + 1, (children, listings)
+    assert children <= 2 * n - 1 and listings <= 2 * n, (children, listings)
