@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--dormant-after-s", type=float, default=60.0,
                     help="after this long with nothing new in the parent or written through, list the parent "
                          "only every --dormant-poll-ms (an idle relay over S3 listed it 25 times a second)")
-    ry.add_argument("--dormant-poll-ms", type=float, default=1000.0)
+    ry.add_argument("--dormant-poll-ms", type=float, default=1000.0,
+                    help="the pause between listings of the parent once dormant")
     ry.add_argument("--passed-ttl-ms", type=float, default=60000.0,
                     help="serve an ack or registration written through this relay from here for this long (a write "
                          "of the same key that went around the relay shows after at most this)")

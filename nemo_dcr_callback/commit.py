@@ -414,9 +414,10 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int
     twice before it could exist (2 of a receiver's ~30 requests per version). max_poll: on a
     store that is polled, the pause doubles from `poll` up to this (callers off the refit's
     path: each poll of S3 is a request, and a large job has a poller per rank)."""
-    from nemo_dcr_callback.transport.store import wait_change
+    from nemo_dcr_callback.transport.store import backoff, wait_change
 
     deadline = time.monotonic() + timeout
+    first = poll
     while True:
         d = read_decision(store, v)
         if d is not None:
@@ -426,7 +427,7 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int
             raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
         token = wait_change(store, token, poll, min(1.0, left), data_only=True)  # a decision is data
         if max_poll is not None:
-            poll = min(2 * poll, max(max_poll, poll))
+            poll = backoff(poll, first, max_poll)
 
 
 # ------------------------------------------------------------------ restarting a sender

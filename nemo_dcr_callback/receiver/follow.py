@@ -37,7 +37,7 @@ import xxhash
 
 from nemo_dcr_callback import codec, commit, digest
 from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
-from nemo_dcr_callback.transport.store import StoreError, wait_news
+from nemo_dcr_callback.transport.store import StoreError, backoff, wait_news
 
 # The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).
 APPLY_MODES: dict[str, bool | str] = {"late": False, "sealed": "sealed", "early": True}
@@ -597,7 +597,7 @@ class Follower:
             if applied or self._parts:  # a version applied or streaming: poll at once
                 pause, last_new = poll_s, now
             elif now - last_new > IDLE_AFTER_S:  # idle: back off (only where the store is polled)
-                pause = min(max(2 * pause, poll_s), self.idle_poll_s)
+                pause = backoff(pause, poll_s, self.idle_poll_s)
             # a relay's answer names what is new (usually the whole poll)
             self._token, self._news = wait_news(self.store, self._token, pause, min(1.0, left), data_only=True)
 

@@ -56,7 +56,7 @@ import xxhash
 from aiohttp import web
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.transport.store import long_polls
+from nemo_dcr_callback.transport.store import backoff, long_polls
 
 CHECKSUM_HEADER = "X-DCR-XXH3"
 # A relay that held a sender's write within this long counts as written through (its watcher
@@ -529,7 +529,7 @@ class Relay:
                 cap = max(cap, self.cfg.write_through_poll_s)
             elif now - max(self.new_at, self.immutable_put_at) > self.cfg.dormant_after_s:
                 cap = max(cap, self.cfg.dormant_poll_s)
-            pause = self.cfg.poll_s if self._upstream_news else min(2 * pause, max(self.cfg.poll_s, cap))
+            pause = self.cfg.poll_s if self._upstream_news else backoff(pause, self.cfg.poll_s, cap)
             await asyncio.sleep(pause)
 
     # ------------------------------------------------------------ HTTP

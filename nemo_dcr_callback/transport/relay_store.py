@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, quote, urlencode, urlparse
 import xxhash
 
 from nemo_dcr_callback.transport.relay import CHECKSUM_HEADER
-from nemo_dcr_callback.transport.store import StoreError
+from nemo_dcr_callback.transport.store import StoreError, long_polls
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
 
@@ -288,7 +288,7 @@ class FailoverStore:
     def long_polls(self) -> bool:
         """While on a relay; once fallen back to the origin (S3), polled like it: a follower
         or relay below then backs off when idle instead of listing S3 every few ms."""
-        return bool(getattr(self.current, "long_polls", False))
+        return long_polls(self.current)
 
     def _call(self, op: str, *args):
         while True:

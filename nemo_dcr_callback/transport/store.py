@@ -120,6 +120,13 @@ def long_polls(store) -> bool:
     return bool(getattr(store, "long_polls", False))
 
 
+def backoff(pause: float, lo: float, hi: float) -> float:
+    """The next pause of a poller whose last poll found nothing new: doubled, never below lo,
+    at most hi (or lo, if hi is below it). Receivers, relays and ranks waiting for a decision
+    back off alike on a store that cannot long-poll."""
+    return min(max(2 * pause, lo), max(hi, lo))
+
+
 def wait_change(store, token: int, poll: float, limit: float = 1.0, data_only: bool = False) -> int:
     """Pause until the store may have changed. A relay long-polls (returns as soon as it has
     something new, so a fleet of receivers does not busy-poll it; data_only: only a new part,
@@ -136,8 +143,7 @@ def wait_news(store, token: int, poll: float, limit: float = 1.0,
     """wait_change(), also returning the keys new since `token` where the store can name them
     (a relay's news feed); None where it cannot: then list."""
     if not long_polls(store):
-        time.sleep(poll)
-        return token, None
+        return wait_change(store, token, poll, limit, data_only), None
     return store.wait_keys(token, limit, data_only)
 
 
