@@ -250,13 +250,15 @@ def test_corrupted_chunk_at_a_relay_is_not_forwarded(tmp_path, relays):
     _write_ranks(origin, 1, states[0], states[1], part_bytes=64 << 10)
     # The root relay holds every part before anyone below asks for one (a request joining its
     # own first fetch would get the verified bytes in flight, not the damaged copy at rest).
-    # The parts went straight to the origin, around the relay: the relay answers them absent
-    # until its watcher's next listing shows them (docs/RELAY.md), so wait for that listing.
+    # The parts went straight to the origin, around the relay: its watcher lists them, then
+    # pulls them, so wait until it holds them all (waiting for the listing alone left the pulls
+    # in flight, and a GET that joined one never met the damaged copy: rejected stayed 0).
     up = RelayStore(root.url, token=TOKEN)
     parts = [k for k in origin.list("versions") if k.endswith(".dcr")]
+    held = len(origin.list("versions"))  # the parts and the ranks' manifests
     deadline = time.monotonic() + 10
-    while not set(parts) <= set(up.list("versions/0000000001")):
-        assert time.monotonic() < deadline, "the root relay never listed the parts written to the origin"
+    while up.stats()["cached_objects"] < held:
+        assert time.monotonic() < deadline, "the root relay never pulled the objects written to the origin"
         time.sleep(0.01)
     for k in parts:
         up.get(k)
