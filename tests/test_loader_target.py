@@ -113,3 +113,56 @@ def test_transforming_loader_is_refused(tmp_path):
     with pytest.raises(codec.ChunkError, match="transforms"):
         Follower(store, target).apply_version(1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing applied
+
+
+class SplitModel(torch.nn.Module):
+    """A loader that splits o_proj by rows into two parameters (each copy takes a part of the
+    tensor it is given, at an offset), keeps down_proj transposed (a strided destination) and
+    fuses the rest as FusedModel does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = FusedModel()
+        z = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.o_top, self.o_bottom, self.down_t = z(H // 2, Q), z(H - H // 2, Q), z(F, H)
+
+    def load_weights(self, weights):
+        rest = []
+        for name, w in weights:
+            if ".o_proj." in name:
+                self.o_top.data.copy_(w[: H // 2])
+                self.o_bottom.data.copy_(w[H // 2:])
+            elif ".down_proj." in name:
+                self.down_t.data.t().copy_(w)
+            else:
+                rest.append((name, w))
+        self.inner.load_weights(rest)
+
+    def layout(self) -> dict[str, torch.Tensor]:
+        out = {k: getattr(self.inner, k).data for k in ("qkv_proj", "gate_up_proj", "norm")}
+        out["o_proj"] = torch.cat([self.o_top.data, self.o_bottom.data])
+        out["down_proj"] = self.down_t.data.t()
+        return out
+
+
+def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path):
+    """Copies of a part of a tensor (row splits) take only that part's changes, at the right
+    offset, without the dense scratch; a strided destination goes through the dense scratch.
+    Both end on the dense layout of the new tensors (the oracle), over three versions with
+    XOR, ulp and overwrite chunks."""
+    store = FileStore(tmp_path)
+    states = _states()
+    for v in range(1, 4):
+        _publish(store, v, states[v - 1], states[v])
+    model = SplitModel()
+    model.load_weights(states[0].items())
+    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    assert all(target.plain.values())
+    f = Follower(store, target)
+    while f.version < 3:
+        f.apply_version(f.version + 1)
+        want, got = fused(states[f.version]), model.layout()
+        for k, t in want.items():
+            assert torch.equal(bits(got[k].contiguous()), bits(t)), (f.version, k)
+    # per version: o_proj's two row copies and the fused/renamed ones sparse, down_proj dense
+    assert target.copies["dense"] == 3 and target.copies["sparse"] >= 3 * 7, target.copies

@@ -4,12 +4,17 @@
   tensors share storage with the parameters). Positions are applied directly.
 - `LoaderTarget`: a live model whose own loader places weights (vLLM-style
   `load_weights(iterable of (name, tensor))`, which may rename, fuse or split tensors). Per
-  canonical tensor, the changes are scattered into a reusable zeroed scratch buffer and the
-  model's loader is called on it under a dispatch mode that turns every copy into model
-  storage into an XOR (or a ulp addition, or an overwrite of the entries not holding the
-  sentinel): the model's own code decides where each element goes. Which names the loader
-  moves as plain copies (the condition for this) is learned once, at start-up, by a no-op
-  pass that watches the loader's copies; other names are refused with a clear error.
+  canonical tensor, the model's loader is called on a scratch tensor under a dispatch mode
+  that turns every copy from it into model storage into the chunk's operation: the model's
+  own code decides where each element goes. A copy of a contiguous part of the scratch into
+  contiguous model storage (a rename, a fused qkv's slice, a row split) takes the changes
+  that fall in that part straight to the destination (the compiled sparse scatter: the
+  scratch is never written); any other copy (a transposed or strided destination) fills
+  the scratch densely first (zeros with the changes, or a sentinel for overwrites) and
+  combines it whole (XOR, ulp addition, or overwrite of the entries not holding the
+  sentinel). Which names the loader moves as plain copies (the condition for both) is
+  learned once, at start-up, by a no-op pass that watches the loader's copies; other names
+  are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.delta import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, ulp_add_reference
+from nemo_dcr_callback.delta import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_add_reference
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
@@ -125,30 +130,75 @@ class _Watch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _Combine(TorchDispatchMode):
-    """Turns the loader's copies into model storage into XOR / ulp-add / sentinel overwrite,
-    chosen by the scratch buffer the copy comes from."""
+class _Scratch:
+    """One canonical tensor's changes of one op, standing behind the scratch tensor the
+    loader is given. The scratch is filled (densely) only if a copy needs it whole."""
 
-    def __init__(self, model_storages: set[int], ops: dict[int, tuple[int, int | None]]):
+    def __init__(self, name: str, op: int, ds: list[codec.DecodedChunk], shape, dtype: torch.dtype):
+        self.name, self.op, self.ds = name, op, ds
+        self.buf = torch.empty(shape, dtype=dtype)  # untouched pages until densified
+        self.sentinel: int | None = None
+        self.dense = False
+
+    def densify(self) -> None:
+        flat = bits(self.buf)
+        if self.op == OP_OVERWRITE:
+            self.sentinel = LoaderTarget._sentinel(flat.dtype, self.ds)
+            flat.fill_(self.sentinel)
+        else:
+            flat.zero_()
+        for d in self.ds:
+            flat[d.positions.to(torch.int64)] = d.values
+        self.dense = True
+
+
+class _Combine(TorchDispatchMode):
+    """Turns the loader's copies into model storage into XOR / ulp-add / overwrite, chosen by
+    the scratch tensor the copy comes from: sparse where both sides are contiguous, else
+    through the densified scratch."""
+
+    def __init__(self, model_storages: set[int], scratches: dict[int, _Scratch], counts: dict[str, int]):
         super().__init__()
-        self.model, self.ops = model_storages, ops  # scratch storage -> (op, sentinel)
+        self.model, self.scratches, self.counts = model_storages, scratches, counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default and _storage_key(args[0]) in self.model:
             dst, src = args[0], args[1]
-            op, sentinel = self.ops[_storage_key(src)]
-            bdt = BITS_DTYPE[dst.element_size()]
-            d, s = dst.view(bdt), src.view(bdt)
-            if op == OP_XOR:
-                d.bitwise_xor_(s)
-            elif op == OP_ULP:  # only where the scratch holds a difference (zero elsewhere)
-                mask = s != 0
-                d[mask] = ulp_add_reference(d[mask], s[mask])
+            sc = self.scratches[_storage_key(src)]
+            if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape:
+                self._sparse(sc, dst, src)
             else:
-                d.copy_(torch.where(s == sentinel, d, s))
+                self._dense(sc, dst, src)
             return dst
         return func(*args, **kwargs)
+
+    def _sparse(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The changes in src's range of the scratch, scattered into dst at the same offsets."""
+        off, n = src.storage_offset() - sc.buf.storage_offset(), src.numel()
+        flat = dst.view(-1)
+        for d in sc.ds:
+            pos, vals = d.positions, d.values
+            if off or n != sc.buf.numel():  # a part of the tensor (positions are sorted)
+                lo, hi = (int(i) for i in torch.searchsorted(pos, torch.tensor([off, off + n], dtype=pos.dtype)))
+                pos, vals = pos[lo:hi] - off, vals[lo:hi]
+            if pos.numel():
+                scatter(flat, pos, vals, d.op)
+        self.counts["sparse"] += 1
+
+    def _dense(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not sc.dense:
+            sc.densify()
+        bdt = BITS_DTYPE[dst.element_size()]
+        d, s = dst.view(bdt), src.view(bdt)
+        if sc.op == OP_XOR:
+            d.bitwise_xor_(s)
+        elif sc.op == OP_ULP:  # only where the scratch holds a difference (zero elsewhere)
+            mask = s != 0
+            d[mask] = ulp_add_reference(d[mask], s[mask])
+        else:
+            d.copy_(torch.where(s == sc.sentinel, d, s))
+        self.counts["dense"] += 1
 
 
 class LoaderTarget:
@@ -161,6 +211,7 @@ class LoaderTarget:
         self.scratch_bytes = scratch_bytes  # loader calls are batched up to this much scratch
         self.storages = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
         self.plain = self._learn()
+        self.copies = {"sparse": 0, "dense": 0}  # the loader's copies combined each way, so far
 
     def _buffer(self, name: str) -> torch.Tensor:
         shape, dtype = self.shapes[name]
@@ -189,35 +240,28 @@ class LoaderTarget:
                                    "in-place delta application is refused for it")
 
     def apply(self, decoded: list[codec.DecodedChunk]) -> None:
-        """One scratch tensor per (name, op), filled sparsely; the loader is called on
-        batches of them (bounded by scratch_bytes) under one dispatch mode."""
+        """One scratch tensor per (name, op); the loader is called on batches of them
+        (bounded by scratch_bytes) under one dispatch mode."""
         groups: dict[tuple[str, int], list[codec.DecodedChunk]] = {}
         for d in decoded:
             groups.setdefault((d.header.name, d.op), []).append(d)
         batch: list[tuple[str, torch.Tensor]] = []
-        ops: dict[int, tuple[int, int | None]] = {}
+        scratches: dict[int, _Scratch] = {}
         size = 0
         with torch.no_grad():
             for (name, op), ds in groups.items():
-                buf = self._buffer(name)
-                flat = bits(buf)
-                sentinel = None
-                if op == OP_OVERWRITE:
-                    sentinel = self._sentinel(flat.dtype, ds)
-                    flat.fill_(sentinel)
-                for d in ds:
-                    flat[d.positions.to(torch.int64)] = d.values
-                ops[_storage_key(buf)] = (op, sentinel)
-                batch.append((name, buf))
-                size += buf.numel() * buf.element_size()
+                sc = _Scratch(name, op, ds, *self.shapes[name])
+                scratches[_storage_key(sc.buf)] = sc
+                batch.append((name, sc.buf))
+                size += sc.buf.numel() * sc.buf.element_size()
                 if size >= self.scratch_bytes:
-                    self._load(batch, ops)
-                    batch, ops, size = [], {}, 0
+                    self._load(batch, scratches)
+                    batch, scratches, size = [], {}, 0
             if batch:
-                self._load(batch, ops)
+                self._load(batch, scratches)
 
-    def _load(self, batch, ops) -> None:
-        with _Combine(self.storages, ops):
+    def _load(self, batch, scratches) -> None:
+        with _Combine(self.storages, scratches, self.copies):
             self.load_fn(batch)
 
     @staticmethod
