@@ -440,7 +440,9 @@ class Follower:
                 checked = self._check_digests(v, rec, terms)
             self.journal.done(v)
         elif self.digests is not None and hasattr(self.target, "apply_with_terms"):
-            terms = self.target.apply_with_terms(decoded)  # one pass: apply and read back
+            # one pass: apply and read back (a target that journals also takes the version)
+            terms = (self.target.apply_with_terms(decoded, version=v) if hasattr(self.target, "version")
+                     else self.target.apply_with_terms(decoded))
             checked = self._check_digests(v, rec, terms)
         else:
             old = self._terms(decoded) if self.digests is not None else None

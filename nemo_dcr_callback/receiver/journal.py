@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback import codec, digest
-from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, ulp_add_reference
+from nemo_dcr_callback.delta import OP_OVERWRITE, bits, scatter
 
-Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (int64), new bits
+Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (sorted), new bits
 
 
 def fault_point() -> None:
@@ -68,18 +68,17 @@ class Journal:
     # ------------------------------------------------------------ applying
     @staticmethod
     def records(flat_of, decoded: list[codec.DecodedChunk]) -> list[Record]:
-        """The new bits at every changed position, from the target's current bits."""
+        """The new bits at every changed position, from the target's current bits: the chunk's
+        op applied (compiled scatter) to a gathered copy of them."""
         out = []
         for d in decoded:
-            t = bits(flat_of(d.header.name))
-            pos = d.positions.to(torch.int64)
-            vals = d.values.view(t.dtype) if d.values.dtype != t.dtype else d.values
-            if d.op == OP_XOR:
-                new = t[pos] ^ vals
-            elif d.op == OP_ULP:
-                new = ulp_add_reference(t[pos], d.values)
+            pos = d.positions.contiguous()
+            if d.op == OP_OVERWRITE:
+                t = bits(flat_of(d.header.name))
+                new = (d.values.view(t.dtype) if d.values.dtype != t.dtype else d.values).clone()
             else:
-                new = vals.clone()
+                new = torch.index_select(bits(flat_of(d.header.name)), 0, pos)
+                scatter(new, torch.arange(pos.numel(), dtype=torch.int32), d.values, d.op)
             out.append((d.header.name, pos, new))
         return out
 

@@ -343,40 +343,47 @@ class CheckpointDirTarget:
         os.replace(tmp, self.meta / "state.json")
 
     def apply(self, decoded: list[codec.DecodedChunk], version: int | None = None) -> None:
+        self.apply_with_terms(decoded, version)
+
+    def apply_with_terms(self, decoded: list[codec.DecodedChunk],
+                         version: int | None = None) -> dict[str, tuple[int, int]]:
+        """Redo log first (fsynced, recorded as pending), then the overwrite from the records
+        in memory; per tensor, the digest terms of the touched elements before and after."""
         import os
+
+        from nemo_dcr_callback.receiver.journal import Journal
 
         if version is None:
             raise ValueError("CheckpointDirTarget.apply needs the version (for its redo log)")
-        records = []
-        for d in decoded:  # new bits at the changed positions, from the file's current bits
-            t = bits(self.tensor(d.header.name))
-            pos = d.positions.to(torch.int64)
-            cur = t[pos]
-            if d.op == OP_XOR:
-                new = cur ^ d.values
-            elif d.op == OP_ULP:
-                new = ulp_add_reference(cur, d.values)
-            else:
-                new = d.values
-            records.append((d.header.name, pos, new))
+        records = Journal.records(self.flat, decoded)  # new bits, from the file's current bits
         redo = f"redo-{version:010d}.pt"
         with open(self.meta / redo, "wb") as f:
             torch.save(records, f)
             f.flush()
             os.fsync(f.fileno())
         self._write_state(self.version, redo, version)
-        self._replay(self.meta / redo)
+        terms = self._overwrite(records)
         self._write_state(version, None, None)
         (self.meta / redo).unlink(missing_ok=True)
         self.version = version
+        return terms
 
     def _replay(self, redo_path) -> None:
-        records = torch.load(redo_path, weights_only=True)
+        self._overwrite(torch.load(redo_path, weights_only=True))
+
+    def _overwrite(self, records) -> dict[str, tuple[int, int]]:
+        """Write the records' bits into the files (idempotent) and flush the maps."""
+        from nemo_dcr_callback import digest
+
+        out: dict[str, tuple[int, int]] = {}
         for name, pos, new in records:
-            bits(self.tensor(name))[pos] = new
+            b, a = digest.scatter_terms(self.flat(name), pos, new, OP_OVERWRITE)
+            ob, oa = out.get(name, (0, 0))
+            out[name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
             self._crash_point()
         for _, mm in self._maps.values():
             mm.flush()
+        return out
 
     def _crash_point(self) -> None:
         """Between two tensor writes of a replay (fault injection: journal.fault_point)."""
