@@ -86,3 +86,16 @@ def test_receive_cli_model_dir(tmp_path):
     assert "version 2 (base 1)" in p.stdout
     got = _load(d)
     assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_refused_untouched(tmp_path):
+    """A missing directory and one without safetensors files are refused by name, and nothing
+    is written into the latter (no journal folder left behind)."""
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        CheckpointDirTarget(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(Exception, match="safetensors"):
+        CheckpointDirTarget(empty)
+    assert sorted(p.name for p in empty.iterdir()) == ["notes.txt"]

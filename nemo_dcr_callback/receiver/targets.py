@@ -293,9 +293,11 @@ class CheckpointDirTarget:
         from nemo_dcr_callback.checkpoint import Checkpoint
 
         self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model directory {self.path} does not exist (or is not a directory)")
+        ck = Checkpoint(self.path)  # a directory that is not a checkpoint is refused before anything is written
         self.meta = self.path / ".nemo-dcr"
         self.meta.mkdir(exist_ok=True)
-        ck = Checkpoint(self.path)
         self.where = {name: ck.files[f] for name, f in ck.where.items()}
         ck_files = ck.files
         self._maps = {}
