@@ -285,10 +285,12 @@ DIRECT_ACK_READS = 2  # at most this many acks still missing: read them by name,
 # Under a relay the committer reads the acks its long-poll names; it still lists them this
 # often, for acks written around the relay (a receiver that failed over to the origin).
 ACK_LIST_EVERY_S = 0.5
-# On a polled store (S3, files) the committer's pause between looks for acks grows with the
-# time since the last new one: this share of it, from CommitPolicy.poll up to ACK_POLL_MAX_S.
-# A decision comes at most ~5% of the quiet time late; a registered receiver that died costs
-# ~150 requests over a 60 s ack timeout instead of ~6,000 (one every 10 ms).
+# On a polled store (S3, files) the committer looks for acks every CommitPolicy.poll for the
+# first ACK_FAST_S after the seal or the last new ack (where a refit's acks come: its decision
+# is not delayed), then its pause grows by ACK_POLL_SHARE of the time past that, up to
+# ACK_POLL_MAX_S. A late ack is seen at most ~5% of its lateness later; a registered receiver
+# that died costs ~330 requests over a 60 s ack timeout instead of ~6,000.
+ACK_FAST_S = 2.0
 ACK_POLL_SHARE = 0.05
 ACK_POLL_MAX_S = 1.0
 
@@ -296,7 +298,7 @@ ACK_POLL_MAX_S = 1.0
 def ack_pause(poll: float, quiet_s: float) -> float:
     """The committer's next pause on a polled store, `quiet_s` after the last new ack (or
     the seal)."""
-    return min(max(poll, ACK_POLL_SHARE * quiet_s), max(poll, ACK_POLL_MAX_S))
+    return min(poll + ACK_POLL_SHARE * max(0.0, quiet_s - ACK_FAST_S), max(poll, ACK_POLL_MAX_S))
 
 
 def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[str] | None = None) -> dict[str, Ack]:
