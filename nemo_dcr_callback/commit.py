@@ -288,11 +288,12 @@ ACK_LIST_EVERY_S = 0.5
 # On a polled store (S3, files) the committer looks for acks every CommitPolicy.poll for the
 # first ACK_FAST_S after the seal or the last new ack (where a refit's acks come: its decision
 # is not delayed), then its pause grows by ACK_POLL_SHARE of the time past that, up to
-# ACK_POLL_MAX_S. A late ack is seen at most ~5% of its lateness later; a registered receiver
-# that died costs ~330 requests over a 60 s ack timeout instead of ~6,000.
+# ACK_POLL_MAX_S. A late ack is seen at most ~5% of its lateness (and 0.25 s) later: large
+# refits whose acks come many seconds after the seal lose at most that; a registered receiver
+# that died costs ~470 requests over a 60 s ack timeout instead of ~6,000.
 ACK_FAST_S = 2.0
 ACK_POLL_SHARE = 0.05
-ACK_POLL_MAX_S = 1.0
+ACK_POLL_MAX_S = 0.25
 
 
 def ack_pause(poll: float, quiet_s: float) -> float:
