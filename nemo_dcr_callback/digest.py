@@ -64,36 +64,46 @@ def sum64(values: torch.Tensor, positions: np.ndarray | torch.Tensor | None = No
                              kernels.num_threads()))
 
 
-def sum64_at(target: torch.Tensor, positions: torch.Tensor) -> int:
+def sum64_at(target: torch.Tensor, positions: torch.Tensor, offset: int = 0) -> int:
     """The digest terms of target's elements at `positions` (int32/int64 tensor), read in
-    place: sum64(target[positions], positions) without the gather."""
+    place: sum64(target[positions], positions) without the gather. offset: target holds the
+    elements from `offset` on of a larger tensor, in whose coordinates the positions are (and
+    hashed): a part of a canonical tensor that a model keeps in a parameter of its own."""
     lib = kernels.native()
     flat = target.reshape(-1)
     if lib is None or not flat.is_contiguous() or flat.device.type != "cpu":
         p = positions.long()
-        return sum64(flat[p], p.numpy())
-    if positions.numel() and int(positions.max()) >= flat.numel():
+        return sum64(flat[p - offset], p.cpu().numpy())
+    if positions.numel() and (int(positions.max()) >= offset + flat.numel() or int(positions.min()) < offset):
         raise IndexError("position out of range")
     positions = positions.contiguous()
-    return int(lib.dcr_sum64_at(flat.data_ptr(), flat.element_size(), positions.data_ptr(),
+    # the kernel reads base[p] for each position p: base is where element 0 of the larger tensor would be
+    base = flat.data_ptr() - offset * flat.element_size()
+    return int(lib.dcr_sum64_at(base, flat.element_size(), positions.data_ptr(),
                                 int(positions.dtype == torch.int64), positions.numel(), kernels.num_threads()))
 
 
-def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> tuple[int, int]:
+def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int,
+                  offset: int = 0) -> tuple[int, int]:
     """delta.scatter with the digest terms of the touched elements before and after, in one
-    pass over the target (the receiver's apply and its check, fused)."""
+    pass over the target (the receiver's apply and its check, fused). offset: as in sum64_at
+    (target is a part of a larger tensor, from `offset` on; positions are the larger one's)."""
     from nemo_dcr_callback.delta import scatter
 
     lib = kernels.native()
     t = bits(target)
-    if lib is None or positions.dtype not in (torch.int32, torch.int64):
-        before = sum64_at(target, positions)
-        scatter(target, positions, values, op)
-        return before, sum64_at(target, positions)
+    if lib is None or positions.dtype not in (torch.int32, torch.int64) or not t.is_contiguous() or t.is_cuda:
+        before = sum64_at(target, positions, offset)
+        scatter(target, positions - offset if offset else positions, values, op)
+        return before, sum64_at(target, positions, offset)
+    if positions.numel() and int(positions[0]) < offset:  # (sorted: the kernel checks the rest)
+        raise ValueError("scatter refused: positions out of range")
     positions = positions.contiguous()
     values = values.contiguous().view(t.dtype) if values.dtype != t.dtype else values.contiguous()
     sums = np.zeros(2, dtype=np.uint64)
-    rc = lib.dcr_scatter_digest(t.data_ptr(), t.numel(), t.element_size(), positions.data_ptr(),
+    # the kernel writes base[p] for each position p: base is where element 0 of the larger tensor would be
+    base = t.data_ptr() - offset * t.element_size()
+    rc = lib.dcr_scatter_digest(base, offset + t.numel(), t.element_size(), positions.data_ptr(),
                                 int(positions.dtype == torch.int64), values.data_ptr(), positions.numel(), op,
                                 sums.ctypes.data)
     if rc < 0:

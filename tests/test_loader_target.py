@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import perturb, random_tensor
 
-from nemo_dcr_callback import codec, commit, delta
+from nemo_dcr_callback import codec, commit, delta, digest
 from nemo_dcr_callback.delta import bits
 from nemo_dcr_callback.receiver import Follower, fetch_version
 from nemo_dcr_callback.receiver.targets import LoaderTarget
@@ -67,7 +67,7 @@ def _publish(store, v, old, new):
             chunks += codec.encode_delta(n, d)
     headers = [codec.parse_header(c) for c in chunks]
     commit.write_rank(store, v, v - 1, 0, 1, chunks, sum(t.numel() for t in old.values()),
-                      sum(h.count for h in headers))
+                      sum(h.count for h in headers), digests={n: digest.sum64(t) for n, t in new.items()})
     rec = commit.seal_version(store, v, v - 1, 1, timeout=5)
     commit.run_commit(store, rec, commit.CommitPolicy())
 
@@ -91,10 +91,11 @@ def test_loader_path_fuses_and_splits(tmp_path):
     assert all(target.plain.values())
     kinds = set()
     f = Follower(store, target)
+    assert not f.unchecked  # every tensor digested through the loader's copies
     while f.version < 3:
         v = f.version + 1
         kinds |= {codec.parse_header(c).value_mode for c in fetch_version(store, v)[1]}
-        f.apply_version(v)
+        assert f.apply_version(v).digest_checked
         want = fused(states[v])
         for k, t in want.items():
             assert torch.equal(bits(getattr(model, k).data), bits(t)), (v, k)
@@ -159,10 +160,43 @@ def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path):
     target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
     assert all(target.plain.values())
     f = Follower(store, target)
+    assert not f.unchecked and target._segments["model.layers.0.mlp.down_proj.weight"] is None  # read densely
     while f.version < 3:
-        f.apply_version(f.version + 1)
+        assert f.apply_version(f.version + 1).digest_checked
         want, got = fused(states[f.version]), model.layout()
         for k, t in want.items():
             assert torch.equal(bits(got[k].contiguous()), bits(t)), (f.version, k)
     # per version: o_proj's two row copies and the fused/renamed ones sparse, down_proj dense
     assert target.copies["dense"] == 3 and target.copies["sparse"] >= 3 * 7, target.copies
+
+
+def test_a_model_off_the_version_is_caught_by_the_digests_read_through_its_loader(tmp_path):
+    """The version's digests are checked in canonical coordinates, read where the loader put
+    each element: a model that does not hold version 0 (one element of its fused qkv wrong) is
+    refused before anything changes; one damaged after it started, where the next version
+    changes it, is caught after that apply."""
+    store = FileStore(tmp_path)
+    states = _states(2)
+    commit.write_keyframe(store, 0, states[0])  # version 0's digests
+    for v in (1, 2):
+        _publish(store, v, states[v - 1], states[v])
+    shapes = {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()}
+    model = FusedModel()
+    model.load_weights(states[0].items())
+    bits(model.qkv_proj.data)[(Q + 3) * H + 5] ^= 1  # k_proj[3, 5], one bit
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(codec.ChunkError, match="does not hold version 0.*k_proj"):
+        Follower(store, LoaderTarget(model, model.load_weights, shapes))
+    assert all(torch.equal(bits(before[k]), bits(v)) for k, v in model.state_dict().items())
+
+    model = FusedModel()
+    model.load_weights(states[0].items())
+    f = Follower(store, LoaderTarget(model, model.load_weights, shapes))
+    assert f.apply_version(1).digest_checked
+    # one bit of up_proj that version 2 changes, flipped after the check of version 1 (the
+    # digests follow the changes: damage elsewhere shows only where a later version touches it)
+    up = "model.layers.0.mlp.up_proj.weight"
+    p = int(torch.nonzero(bits(states[1][up]).reshape(-1) != bits(states[2][up]).reshape(-1))[0])
+    bits(model.gate_up_proj.data)[F * H + p] ^= 1
+    with pytest.raises(codec.ChunkError, match="up_proj.*does not match"):
+        f.apply_version(2)

@@ -75,7 +75,8 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
 
     def on_apply(a: Applied) -> None:
         line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
-                f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms")
+                f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms"
+                + (", digests match" if a.digest_checked else ""))
         if verify:
             bad = verify_version(store, a.version, tensors, timeout)
             if bad is not None:
@@ -115,7 +116,8 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
 
     def on_apply(a: Applied) -> None:
         print(f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
-              f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms", flush=True)
+              f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms"
+              + (", digests match" if a.digest_checked else ""), flush=True)
 
     try:
         return _follow(f, follow, until, timeout, on_apply)

@@ -19,9 +19,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -101,8 +103,25 @@ def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
     return sum(d.header.count for d in decoded)
 
 
+def _span(positions: torch.Tensor, off: int, n: int) -> tuple[int, int]:
+    """The slice of sorted positions that falls in [off, off + n)."""
+    lo, hi = torch.searchsorted(positions, torch.tensor([off, off + n], dtype=positions.dtype)).tolist()
+    return lo, hi
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+class _View(NamedTuple):
+    """One plain copy the loader makes: the part of the canonical tensor it reads (offset,
+    shape and strides in the flat canonical tensor) and the model storage it writes."""
+
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    contiguous: bool
+    dst: torch.Tensor
 
 
 class _Watch(TorchDispatchMode):
@@ -114,6 +133,7 @@ class _Watch(TorchDispatchMode):
         self.model, self.scratch = model_storages, _storage_key(scratch)
         self.copies = 0
         self.plain = True
+        self.views: list[_View] = []  # where each plain copy put which part of the scratch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -124,6 +144,9 @@ class _Watch(TorchDispatchMode):
                 self.copies += 1
                 if _storage_key(src) != self.scratch or src.dtype != dst.dtype or src.shape != dst.shape:
                     self.plain = False
+                else:
+                    self.views.append(_View(src.storage_offset(), tuple(src.shape), tuple(src.stride()),
+                                            src.is_contiguous(), dst))
             else:
                 self.plain = False  # the loader writes model storage by some other op
             return dst  # a watch pass writes nothing
@@ -157,9 +180,13 @@ class _Combine(TorchDispatchMode):
     the scratch tensor the copy comes from: sparse where both sides are contiguous, else
     through the densified scratch."""
 
-    def __init__(self, model_storages: set[int], scratches: dict[int, _Scratch], counts: dict[str, int]):
+    def __init__(self, model_storages: set[int], scratches: dict[int, _Scratch], counts: dict[str, int],
+                 terms: dict[str, list[int]] | None = None, segments: frozenset | set = frozenset()):
         super().__init__()
         self.model, self.scratches, self.counts = model_storages, scratches, counts
+        # digest terms (name -> [before, after]) gathered by the copies that are a segment
+        # (name, canonical offset, destination address) of LoaderTarget._contiguous_segments
+        self.terms, self.segments = terms, segments
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -175,15 +202,24 @@ class _Combine(TorchDispatchMode):
 
     def _sparse(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The changes in src's range of the scratch, scattered into dst at the same offsets."""
+        from nemo_dcr_callback import digest
+
         off, n = src.storage_offset() - sc.buf.storage_offset(), src.numel()
         flat = dst.view(-1)
+        acc = self.terms.setdefault(sc.name, [0, 0]) if (
+            self.terms is not None and (sc.name, off, flat.data_ptr()) in self.segments) else None
         for d in sc.ds:
             pos, vals = d.positions, d.values
             if off or n != sc.buf.numel():  # a part of the tensor (positions are sorted)
-                lo, hi = (int(i) for i in torch.searchsorted(pos, torch.tensor([off, off + n], dtype=pos.dtype)))
-                pos, vals = pos[lo:hi] - off, vals[lo:hi]
-            if pos.numel():
-                scatter(flat, pos, vals, d.op)
+                lo, hi = _span(pos, off, n)
+                pos, vals = pos[lo:hi], vals[lo:hi]
+            if not pos.numel():
+                continue
+            if acc is not None:  # the terms in canonical positions, in the same pass
+                b, a = digest.scatter_terms(flat, pos, vals, d.op, offset=off)
+                acc[0], acc[1] = (acc[0] + b) & digest.MASK, (acc[1] + a) & digest.MASK
+            else:
+                scatter(flat, pos - off if off else pos, vals, d.op)
         self.counts["sparse"] += 1
 
     def _dense(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -210,8 +246,12 @@ class LoaderTarget:
         self.shapes = shapes  # canonical name -> (shape, dtype), e.g. from the checkpoint's index
         self.scratch_bytes = scratch_bytes  # loader calls are batched up to this much scratch
         self.storages = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
+        self._views: dict[str, list[_View]] = {}
         self.plain = self._learn()
         self.copies = {"sparse": 0, "dense": 0}  # the loader's copies combined each way, so far
+        self._segments = {n: self._contiguous_segments(n) for n in self._views}
+        self._segment_keys = {(n, off, flat.data_ptr()) for n, segs in self._segments.items() if segs
+                              for off, _, flat in segs}
 
     def _buffer(self, name: str) -> torch.Tensor:
         shape, dtype = self.shapes[name]
@@ -226,7 +266,78 @@ class LoaderTarget:
                 with w:
                     self.load_fn([(name, buf)])
                 plain[name] = w.plain and w.copies > 0
+                if plain[name]:
+                    self._views[name] = w.views
         return plain
+
+    # ------------------------------------------------------------ digests
+    # The follower checks each version's per-tensor digests (digest.py) in canonical
+    # coordinates; the model keeps the tensor wherever its loader put it. The copies the watch
+    # pass saw say where: canonical part -> model storage.
+    def _contiguous_segments(self, name: str) -> list[tuple[int, int, torch.Tensor]] | None:
+        """(offset, length, flat model storage) covering the canonical tensor once, if every
+        copy is contiguous on both sides (renames, fused slices, row splits); else None."""
+        views = self._views[name]
+        if not all(v.contiguous and v.dst.is_contiguous() for v in views):
+            return None
+        segs, end = [], 0
+        for v in sorted(views, key=lambda v: v.offset):
+            n = math.prod(v.shape)
+            if v.offset >= end:  # a part copied to two places (a tied copy) is read from the first
+                if v.offset > end:
+                    return None  # a gap: some elements go nowhere
+                segs.append((v.offset, n, v.dst.reshape(-1)))
+                end = v.offset + n
+            elif v.offset + n > end:
+                return None  # partly overlapping copies
+        return segs if end == self.numel(name) else None
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def numel(self, name: str) -> int:
+        return int(torch.Size(self.shapes[name][0]).numel())
+
+    def canonical(self, name: str) -> torch.Tensor | None:
+        """The canonical tensor as the model holds it now (a copy, read through the loader's
+        copies), or None if they do not cover it."""
+        views = self._views.get(name)
+        if not views:
+            return None
+        shape, dtype = self.shapes[name]
+        out = torch.empty(self.numel(name), dtype=dtype)
+        seen = torch.zeros(self.numel(name), dtype=torch.bool)
+        with torch.no_grad():
+            for v in views:
+                out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
+                seen.as_strided(v.shape, v.stride, v.offset).fill_(True)
+        return out if bool(seen.all()) else None
+
+    def digest_of(self, name: str) -> int | None:
+        """The digest of the canonical tensor as the model holds it, or None if the model does
+        not hold all of it (then it is not checked)."""
+        from nemo_dcr_callback import digest
+
+        segs = self._segments.get(name)
+        if segs is not None:
+            return sum(digest.sum64(flat, base=off) for off, _, flat in segs) & digest.MASK
+        t = self.canonical(name)
+        return None if t is None else digest.sum64(t)
+
+    def terms_at(self, name: str, positions: torch.Tensor) -> int:
+        """The digest terms of the canonical elements at `positions`, read where the model
+        keeps them (in place for contiguous copies)."""
+        from nemo_dcr_callback import digest
+
+        segs = self._segments.get(name)
+        if segs is None:
+            return digest.sum64_at(self.canonical(name), positions)
+        acc = 0
+        for off, n, flat in segs:
+            lo, hi = _span(positions, off, n)
+            if hi > lo:
+                acc += digest.sum64_at(flat, positions[lo:hi], offset=off)
+        return acc & digest.MASK
 
     def check(self, h: codec.ChunkHeader) -> None:
         if h.name not in self.shapes:
@@ -240,6 +351,28 @@ class LoaderTarget:
                                    "in-place delta application is refused for it")
 
     def apply(self, decoded: list[codec.DecodedChunk]) -> None:
+        self._apply(decoded, None)
+
+    def apply_with_terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, tuple[int, int]]:
+        """apply() with the digest terms (per tensor, before and after) of the touched
+        elements in canonical positions: from the sparse copies themselves where the tensor is
+        held in contiguous segments, else read densely (canonical()) before and after. Tensors
+        the model does not hold whole get none (the follower does not check them)."""
+        from nemo_dcr_callback import digest
+
+        names = {d.header.name for d in decoded}
+        dense = {n: self.canonical(n) for n in names if self._segments.get(n) is None}
+        dense = {n: t for n, t in dense.items() if t is not None}
+        terms: dict[str, list[int]] = {n: [0, 0] for n in names if self._segments.get(n) is not None}
+        self._apply(decoded, terms)
+        for n, before in dense.items():
+            after = self.canonical(n)
+            b = sum(digest.sum64_at(before, d.positions) for d in decoded if d.header.name == n)
+            a = sum(digest.sum64_at(after, d.positions) for d in decoded if d.header.name == n)
+            terms[n] = [b & digest.MASK, a & digest.MASK]
+        return {n: (b, a) for n, (b, a) in terms.items()}
+
+    def _apply(self, decoded: list[codec.DecodedChunk], terms: dict[str, list[int]] | None) -> None:
         """One scratch tensor per (name, op); the loader is called on batches of them
         (bounded by scratch_bytes) under one dispatch mode."""
         groups: dict[tuple[str, int], list[codec.DecodedChunk]] = {}
@@ -255,13 +388,13 @@ class LoaderTarget:
                 batch.append((name, sc.buf))
                 size += sc.buf.numel() * sc.buf.element_size()
                 if size >= self.scratch_bytes:
-                    self._load(batch, scratches)
+                    self._load(batch, scratches, terms)
                     batch, scratches, size = [], {}, 0
             if batch:
-                self._load(batch, scratches)
+                self._load(batch, scratches, terms)
 
-    def _load(self, batch, scratches) -> None:
-        with _Combine(self.storages, scratches, self.copies):
+    def _load(self, batch, scratches, terms) -> None:
+        with _Combine(self.storages, scratches, self.copies, terms, self._segment_keys):
             self.load_fn(batch)
 
     @staticmethod
