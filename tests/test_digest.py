@@ -51,3 +51,23 @@ def test_scatter_terms_is_scatter_plus_before_and_after_terms(op):
     before, after = digest.scatter_terms(x, pos, vals, op)
     assert torch.equal(x.view(torch.int16), expect.view(torch.int16))
     assert before == before_ref and after == digest.sum64_reference(expect[p64], p64.numpy())
+
+
+def test_terms_of_a_part_held_apart_are_those_of_the_whole():
+    """A part of a canonical tensor kept in a tensor of its own (a loader's row split): with
+    its offset, sum64_at and scatter_terms hash canonical positions, so the terms and the
+    writes are those of the whole tensor's (the numpy reference as oracle)."""
+    g = torch.Generator().manual_seed(4)
+    whole = torch.randn(40_000, generator=g).bfloat16()
+    off = 12_345
+    part = whole[off:].clone()
+    pos = torch.arange(off + 3, 40_000, 61, dtype=torch.int32)
+    vals = torch.randint(-30000, 30000, (pos.numel(),), generator=g, dtype=torch.int16)
+    p64 = pos.long()
+    assert digest.sum64_at(part, pos, offset=off) == digest.sum64_reference(whole[p64], p64.numpy())
+    before, after = digest.scatter_terms(part, pos, vals, OP_XOR, offset=off)
+    whole.view(torch.int16)[p64] ^= vals
+    assert torch.equal(part.view(torch.int16), whole[off:].view(torch.int16))
+    assert after == digest.sum64_reference(whole[p64], p64.numpy()) and before != after
+    with pytest.raises((ValueError, IndexError)):
+        digest.scatter_terms(part, torch.tensor([off - 1], dtype=torch.int32), vals[:1], OP_XOR, offset=off)
