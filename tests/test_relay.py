@@ -6,6 +6,7 @@ BF16 tensors of each version."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -912,6 +913,7 @@ def test_the_access_log_traces_requests_and_calls_to_the_parent(tmp_path, relays
     assert served == [("GET", "/o/a/x", 200), ("GET", "/o/a/missing", 404), ("GET", "/o/a/x", 401),
                       ("GET", "/wait?gen=0", 200)]
     assert next(ln for ln in lines if ln.get("path") == "/o/a/x")["bytes"] == len(b"weights")
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+", ln["peer"]) for ln in lines if "method" in ln)  # host:port
     up = [(ln["up"], ln["arg"], ln["result"], ln.get("n")) for ln in lines if "up" in ln]
     assert up == [("get", "a/x", "ok", len(b"weights")), ("get", "a/missing", "missing", None)]
 

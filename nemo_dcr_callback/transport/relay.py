@@ -65,6 +65,14 @@ CHECKSUM_HEADER = "X-DCR-XXH3"
 WRITE_THROUGH_S = 30.0
 
 
+def _peer(request) -> str | None:
+    """host:port of the client (the port tells apart receivers that share a host)."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
+    return request.remote
+
+
 @dataclass
 class RelayConfig:
     """How one relay node runs; every field is a `nemo-dcr relay` flag."""
@@ -558,7 +566,7 @@ class Relay:
             status = 500
             raise
         finally:
-            self._trace({"peer": request.remote, "method": request.method, "path": request.path_qs,
+            self._trace({"peer": _peer(request), "method": request.method, "path": request.path_qs,
                          "status": status, "bytes": size, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
 
     async def _serve(self, request: web.Request, handler):
