@@ -57,6 +57,7 @@ demo: setup
 bench: setup
 	$(BIN)/nemo-dcr bench codec --json benchmarks/results/codec.json
 	$(BIN)/nemo-dcr bench placement --json benchmarks/results/placement.json
+	$(BIN)/nemo-dcr bench receive --json benchmarks/results/receive.json
 	$(BIN)/nemo-dcr bench overhead --json benchmarks/results/overhead.json
 	$(BIN)/nemo-dcr bench overhead --alternate 6 --steps 72 --pairs 6 --json benchmarks/results/overhead_alternate.json
 

@@ -128,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "default), parts as they arrive (early), or everything after the commit (late)")
     br.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
 
+    bv = bsub.add_parser("receive", help="a receiver's apply per version: state dict, the model's loader, "
+                                         "a checkpoint dir")
+    bv.add_argument("--params", type=_positive, default=1 << 25, help="synthetic BF16 parameters (default 32M)")
+    bv.add_argument("--rate", type=float, default=0.03, help="change rate")
+    bv.add_argument("--versions", type=_positive, default=5)
+    bv.add_argument("--rounds", type=_positive, default=3, help="each kind of receiver applies the chain this often")
+    bv.add_argument("--kinds", default="state-dict,loader,loader-dense,checkpoint-dir",
+                    help="receivers to compare, comma-separated")
+    bv.add_argument("--json", default=None, help="write the results here (benchmarks/results/receive.json)")
+
     bl = bsub.add_parser("relay", help="fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)")
     bl.add_argument("--params", type=_positive, default=1 << 27, help="synthetic BF16 parameters (default 128M)")
     bl.add_argument("--mbit", type=float, default=100.0, help="inter-region link rate each way, Mbit/s")
@@ -360,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             from nemo_dcr_callback import bench_refit
             bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
                             json_path=args.json, apply=args.apply, repeats=args.repeats)
+        elif args.cmd == "bench" and args.bench == "receive":
+            from nemo_dcr_callback import bench_receive
+            bench_receive.run(args.params, args.rate, args.versions, args.rounds, tuple(args.kinds.split(",")),
+                              json_path=args.json)
         elif args.cmd == "bench" and args.bench == "relay":
             from nemo_dcr_callback import bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,

@@ -181,9 +181,10 @@ class _Combine(TorchDispatchMode):
     through the densified scratch."""
 
     def __init__(self, model_storages: set[int], scratches: dict[int, _Scratch], counts: dict[str, int],
-                 terms: dict[str, list[int]] | None = None, segments: frozenset | set = frozenset()):
+                 terms: dict[str, list[int]] | None = None, segments: frozenset | set = frozenset(),
+                 sparse: bool = True):
         super().__init__()
-        self.model, self.scratches, self.counts = model_storages, scratches, counts
+        self.model, self.scratches, self.counts, self.sparse = model_storages, scratches, counts, sparse
         # digest terms (name -> [before, after]) gathered by the copies that are a segment
         # (name, canonical offset, destination address) of LoaderTarget._contiguous_segments
         self.terms, self.segments = terms, segments
@@ -193,7 +194,8 @@ class _Combine(TorchDispatchMode):
         if func is torch.ops.aten.copy_.default and _storage_key(args[0]) in self.model:
             dst, src = args[0], args[1]
             sc = self.scratches[_storage_key(src)]
-            if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape:
+            if (self.sparse and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+                    and dst.shape == src.shape):
                 self._sparse(sc, dst, src)
             else:
                 self._dense(sc, dst, src)
@@ -241,8 +243,9 @@ class LoaderTarget:
     """A live model updated through its own loader (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, load_fn: LoadFn, shapes: dict[str, tuple[torch.Size, torch.dtype]],
-                 scratch_bytes: int = 256 << 20):
+                 scratch_bytes: int = 256 << 20, sparse: bool = True):
         self.model, self.load_fn = model, load_fn
+        self.sparse = sparse  # False: every copy through the dense scratch (the benchmark's comparison)
         self.shapes = shapes  # canonical name -> (shape, dtype), e.g. from the checkpoint's index
         self.scratch_bytes = scratch_bytes  # loader calls are batched up to this much scratch
         self.storages = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
@@ -361,9 +364,9 @@ class LoaderTarget:
         from nemo_dcr_callback import digest
 
         names = {d.header.name for d in decoded}
-        dense = {n: self.canonical(n) for n in names if self._segments.get(n) is None}
+        dense = {n: self.canonical(n) for n in names if self._segments.get(n) is None or not self.sparse}
         dense = {n: t for n, t in dense.items() if t is not None}
-        terms: dict[str, list[int]] = {n: [0, 0] for n in names if self._segments.get(n) is not None}
+        terms: dict[str, list[int]] = {n: [0, 0] for n in names if n not in dense and self._segments.get(n) is not None}
         self._apply(decoded, terms)
         for n, before in dense.items():
             after = self.canonical(n)
@@ -394,7 +397,7 @@ class LoaderTarget:
                 self._load(batch, scratches, terms)
 
     def _load(self, batch, scratches, terms) -> None:
-        with _Combine(self.storages, scratches, self.copies, terms, self._segment_keys):
+        with _Combine(self.storages, scratches, self.copies, terms, self._segment_keys, self.sparse):
             self.load_fn(batch)
 
     @staticmethod
