@@ -213,6 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
     ry.add_argument("--tls-cert", default=None)
     ry.add_argument("--tls-key", default=None)
 
+    st = sub.add_parser("status", help="what a store holds: newest versions, decisions, acks, receivers")
+    st.add_argument("--store", required=True, help="file://, s3:// or relay:// URL (or a failover chain)")
+    st.add_argument("--last", type=int, default=10, help="versions to show, newest first (default 10)")
+    st.add_argument("--live-s", type=float, default=600.0,
+                    help="a receiver seen within this many seconds is live (gc keeps what it needs)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+    gcp = sub.add_parser("gc", help="delete what no receiver needs (aborted versions, old keyframes, ...)")
+    gcp.add_argument("--store", required=True, help="file://, s3:// or relay:// URL (or a failover chain)")
+    gcp.add_argument("--live-s", type=float, default=600.0,
+                     help="keep the versions receivers seen within this many seconds still need")
+    gcp.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
+
     s3p = sub.add_parser("s3-server", help="run a local S3 server (SeaweedFS) for tests and trials")
     s3p.add_argument("--dir", required=True, help="data directory")
     s3p.add_argument("--ip", default="127.0.0.1")
@@ -416,6 +429,21 @@ def main(argv: list[str] | None = None) -> int:
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
                                args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes,
                                idle_poll_s=args.idle_poll_ms / 1e3)
+        elif args.cmd == "status":
+            from nemo_dcr_callback.status import collect, render
+            from nemo_dcr_callback.transport.store import open_store
+            st = collect(open_store(args.store), last=max(args.last, 0), live_s=args.live_s)
+            print(json.dumps(st, indent=2) if args.json else render(st))
+        elif args.cmd == "gc":
+            from nemo_dcr_callback import commit
+            from nemo_dcr_callback.transport.store import open_store
+            store = open_store(args.store)
+            if getattr(store, "root", None) is not None and not store.root.is_dir():
+                raise FileNotFoundError(f"no store at {store.url} (the directory does not exist)")
+            keys = commit.gc(store, live_s=args.live_s, dry_run=args.dry_run)
+            for k in keys:
+                print(("would delete " if args.dry_run else "deleted ") + k)
+            print(f"nemo-dcr gc: {'would delete' if args.dry_run else 'deleted'} {len(keys)} objects")
         elif args.cmd == "demo" and args.files:
             from nemo_dcr_callback.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)
