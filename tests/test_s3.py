@@ -349,6 +349,11 @@ def test_gc_removes_what_nobody_needs(store):
     commit.write_keyframe(store, 3, states[3])
     _write(store, 4, 3, states[3], states[4])  # sealed but aborted
     commit.decide(store, 4, 3, "abort", [], [], "test")
+    from nemo_dcr_callback.status import collect  # `nemo-dcr status` reads the same from S3
+
+    st = collect(store)
+    assert [r["state"] for r in st["rows"]] == ["commit", "commit", "commit", "abort"]  # versions 1-4
+    assert st["keyframes"] == [0, 3] and [r["receiver"] for r in st["receivers"]] == ["slow"] and st["gc"] > 0
     deleted = commit.gc(store)
     left = commit.list_versions(store)
     assert left == [2, 3]  # 1 is held by "slow" (it needs 2 and 3); 4 was aborted
