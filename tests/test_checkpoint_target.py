@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturb
 from safetensors.torch import load_file, save_file
 from test_follow import _chain
 
@@ -99,3 +100,31 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_untouched(tmp_path):
     with pytest.raises(Exception, match="safetensors"):
         CheckpointDirTarget(empty)
     assert sorted(p.name for p in empty.iterdir()) == ["notes.txt"]
+
+
+def test_sparse_and_dense_records_both_land(tmp_path):
+    """A version with two changes per tensor far apart (written through the file's map) and a
+    dense one (spans patched in a copy and written with pwrite): the files end on the
+    sender's bits after each (the oracle: the states themselves), with the digests checked."""
+    from test_follow import _model, _publish
+
+    store = FileStore(tmp_path / "store")
+    states = [_model()]
+    sparse = {k: t.clone() for k, t in states[0].items()}
+    for t in sparse.values():
+        b = bits(t).view(-1)
+        b[0] ^= 1
+        b[-1] ^= 1
+    states.append(sparse)
+    g = torch.Generator().manual_seed(9)
+    states.append({k: perturb(t, 0.05, g) for k, t in sparse.items()})
+    for v in (1, 2):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+    d = _dir(tmp_path, states[0])
+    t = CheckpointDirTarget(d)
+    f = Follower(store, t, version=t.version)
+    for v in (1, 2):
+        assert f.apply_version(v).digest_checked
+        got = _load(d)
+        assert all(torch.equal(bits(got[k]), bits(states[v][k])) for k in states[v]), v
+    t.close()
