@@ -146,7 +146,8 @@ class SplitModel(torch.nn.Module):
         return out
 
 
-def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path):
+@pytest.mark.parametrize("sparse", [True, False])
+def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path, sparse):
     """Copies of a part of a tensor (row splits) take only that part's changes, at the right
     offset, without the dense scratch; a strided destination goes through the dense scratch.
     Both end on the dense layout of the new tensors (the oracle), over three versions with
@@ -157,7 +158,8 @@ def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path):
         _publish(store, v, states[v - 1], states[v])
     model = SplitModel()
     model.load_weights(states[0].items())
-    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()},
+                          sparse=sparse)
     assert all(target.plain.values())
     f = Follower(store, target)
     assert not f.unchecked and target._segments["model.layers.0.mlp.down_proj.weight"] is None  # read densely
@@ -166,8 +168,12 @@ def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path):
         want, got = fused(states[f.version]), model.layout()
         for k, t in want.items():
             assert torch.equal(bits(got[k].contiguous()), bits(t)), (f.version, k)
-    # per version: o_proj's two row copies and the fused/renamed ones sparse, down_proj dense
-    assert target.copies["dense"] == 3 and target.copies["sparse"] >= 3 * 7, target.copies
+    # per version: o_proj's two row copies and the fused/renamed ones sparse, down_proj's
+    # transposed destination located by its strides (sparse=False: every copy dense)
+    if sparse:
+        assert target.copies["strided"] == 3 and target.copies["dense"] == 0 and target.copies["sparse"] >= 3 * 7
+    else:
+        assert target.copies["dense"] >= 3 * 8 and target.copies["sparse"] == target.copies["strided"] == 0
 
 
 def test_a_model_off_the_version_is_caught_by_the_digests_read_through_its_loader(tmp_path):
@@ -200,3 +206,46 @@ def test_a_model_off_the_version_is_caught_by_the_digests_read_through_its_loade
     bits(model.gate_up_proj.data)[F * H + p] ^= 1
     with pytest.raises(codec.ChunkError, match="up_proj.*does not match"):
         f.apply_version(2)
+
+
+class ColumnShardModel(torch.nn.Module):
+    """A tensor-parallel rank's share of o_proj (row-parallel: columns Q/2.. of it, taken by
+    narrowing the tensor it is given along dimension 1, a strided view); the rest as
+    FusedModel."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = FusedModel()
+        self.o_shard = torch.nn.Parameter(torch.zeros(H, Q - Q // 2, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        rest = []
+        for name, w in weights:
+            if ".o_proj." in name:
+                self.o_shard.data.copy_(w.narrow(1, Q // 2, Q - Q // 2))
+            else:
+                rest.append((name, w))
+        self.inner.load_weights(rest)
+
+
+def test_a_column_shard_takes_only_its_columns_changes(tmp_path):
+    """A copy of a strided part of the tensor given (a column shard) takes exactly the changes
+    in those columns, located by index, not through a dense scratch; the model holds only part
+    of o_proj, so that tensor's digest cannot be read (left unchecked), the others are."""
+    store = FileStore(tmp_path)
+    states = _states()
+    for v in range(1, 4):
+        _publish(store, v, states[v - 1], states[v])
+    model = ColumnShardModel()
+    model.load_weights(states[0].items())
+    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    f = Follower(store, target)
+    assert f.unchecked == {"model.layers.0.self_attn.o_proj.weight"}
+    o = "model.layers.0.self_attn.o_proj.weight"
+    while f.version < 3:
+        assert f.apply_version(f.version + 1).digest_checked
+        assert torch.equal(bits(model.o_shard.data), bits(states[f.version][o][:, Q // 2:].contiguous())), f.version
+        want = fused(states[f.version])
+        for k in ("qkv_proj", "gate_up_proj", "down_proj", "norm"):
+            assert torch.equal(bits(getattr(model.inner, k).data), bits(want[k])), (f.version, k)
+    assert target.copies["strided"] == 3 and target.copies["dense"] == 0

@@ -9,12 +9,13 @@
   own code decides where each element goes. A copy of a contiguous part of the scratch into
   contiguous model storage (a rename, a fused qkv's slice, a row split) takes the changes
   that fall in that part straight to the destination (the compiled sparse scatter: the
-  scratch is never written); any other copy (a transposed or strided destination) fills
-  the scratch densely first (zeros with the changes, or a sentinel for overwrites) and
-  combines it whole (XOR, ulp addition, or overwrite of the entries not holding the
-  sentinel). Which names the loader moves as plain copies (the condition for both) is
-  learned once, at start-up, by a no-op pass that watches the loader's copies; other names
-  are refused with a clear error.
+  scratch is never written); a copy of a strided part (a column shard) or into a strided
+  destination (a transposed parameter) locates each change by its index in the view, still
+  sparse; only overlapping or broadcast views fill the scratch densely first (zeros with
+  the changes, or a sentinel for overwrites) and combine it whole (XOR, ulp addition, or
+  overwrite of the entries not holding the sentinel). Which names the loader moves as plain
+  copies (the condition for all three) is learned once, at start-up, by a no-op pass that
+  watches the loader's copies; other names are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ def _span(positions: torch.Tensor, off: int, n: int) -> tuple[int, int]:
     return lo, hi
 
 
+def _nested(t: torch.Tensor) -> bool:
+    """Is t a view that can be located by dividing out its strides, largest first (narrow,
+    step slicing and permutations of a contiguous tensor: no overlap, no broadcast)?"""
+    dims = sorted(((n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1), key=lambda x: -x[1])
+    if any(st <= 0 for _, st in dims):
+        return False
+    return all(dims[k][1] >= dims[k + 1][0] * dims[k + 1][1] for k in range(len(dims) - 1))
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -194,13 +204,41 @@ class _Combine(TorchDispatchMode):
         if func is torch.ops.aten.copy_.default and _storage_key(args[0]) in self.model:
             dst, src = args[0], args[1]
             sc = self.scratches[_storage_key(src)]
-            if (self.sparse and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
-                    and dst.shape == src.shape):
+            plain = self.sparse and dst.dtype == src.dtype and dst.shape == src.shape
+            if plain and dst.is_contiguous() and src.is_contiguous():
                 self._sparse(sc, dst, src)
+            elif plain and _nested(src) and _nested(dst):
+                self._strided(sc, dst, src)
             else:
                 self._dense(sc, dst, src)
             return dst
         return func(*args, **kwargs)
+
+    def _strided(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A strided part of the scratch (a column shard: narrow along a later dimension) or a
+        strided destination (a transposed parameter): each change in src's region is located
+        by its index in src's dimensions, and written at the same index of dst's storage."""
+        dims = sorted((i for i in range(src.dim()) if src.shape[i] > 1), key=lambda i: -src.stride(i))
+        off = src.storage_offset() - sc.buf.storage_offset()
+        extent = 1 + sum((src.shape[i] - 1) * src.stride(i) for i in dims)
+        whole = dst.as_strided((dst.untyped_storage().nbytes() // dst.element_size(),), (1,), 0)
+        for d in sc.ds:
+            lo, hi = _span(d.positions, off, extent)
+            if hi <= lo:
+                continue
+            rel = d.positions[lo:hi].to(torch.int64) - off
+            at = torch.full_like(rel, dst.storage_offset())
+            inside = torch.ones_like(rel, dtype=torch.bool)
+            for i in dims:
+                idx = rel // src.stride(i)
+                rel = rel - idx * src.stride(i)
+                inside &= idx < src.shape[i]
+                at += idx * dst.stride(i)
+            inside &= rel == 0
+            at, order = torch.sort(at[inside])
+            if at.numel():
+                scatter(whole, at, d.values[lo:hi][inside][order], d.op)
+        self.counts["strided"] += 1
 
     def _sparse(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The changes in src's range of the scratch, scattered into dst at the same offsets."""
@@ -251,7 +289,7 @@ class LoaderTarget:
         self.storages = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
         self._views: dict[str, list[_View]] = {}
         self.plain = self._learn()
-        self.copies = {"sparse": 0, "dense": 0}  # the loader's copies combined each way, so far
+        self.copies = {"sparse": 0, "strided": 0, "dense": 0}  # the loader's copies combined each way, so far
         self._segments = {n: self._contiguous_segments(n) for n in self._views}
         self._segment_keys = {(n, off, flat.data_ptr()) for n, segs in self._segments.items() if segs
                               for off, _, flat in segs}
