@@ -80,14 +80,23 @@ def _states(n=3):
     return states
 
 
-def test_loader_path_fuses_and_splits(tmp_path):
+def _chain(tmp_path, n=3):
+    """A file store holding versions 1..n of _states(n), committed."""
     store = FileStore(tmp_path)
-    states = _states()
-    for v in range(1, 4):
+    states = _states(n)
+    for v in range(1, n + 1):
         _publish(store, v, states[v - 1], states[v])
+    return store, states
+
+
+SHAPES_BF16 = {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()}
+
+
+def test_loader_path_fuses_and_splits(tmp_path):
+    store, states = _chain(tmp_path)
     model = FusedModel()
     model.load_weights(states[0].items())  # the dense start
-    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    target = LoaderTarget(model, model.load_weights, SHAPES_BF16)
     assert all(target.plain.values())
     kinds = set()
     f = Follower(store, target)
@@ -109,7 +118,7 @@ def test_transforming_loader_is_refused(tmp_path):
     model = FusedModel(transform=True)
     model.load_weights(states[0].items())
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    target = LoaderTarget(model, model.load_weights, SHAPES_BF16)
     assert not target.plain["model.layers.0.input_layernorm.weight"]
     with pytest.raises(codec.ChunkError, match="transforms"):
         Follower(store, target).apply_version(1)
@@ -152,13 +161,10 @@ def test_loader_path_splits_rows_and_writes_strided_destinations(tmp_path, spars
     offset, without the dense scratch; a strided destination goes through the dense scratch.
     Both end on the dense layout of the new tensors (the oracle), over three versions with
     XOR, ulp and overwrite chunks."""
-    store = FileStore(tmp_path)
-    states = _states()
-    for v in range(1, 4):
-        _publish(store, v, states[v - 1], states[v])
+    store, states = _chain(tmp_path)
     model = SplitModel()
     model.load_weights(states[0].items())
-    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()},
+    target = LoaderTarget(model, model.load_weights, SHAPES_BF16,
                           sparse=sparse)
     assert all(target.plain.values())
     f = Follower(store, target)
@@ -186,7 +192,7 @@ def test_a_model_off_the_version_is_caught_by_the_digests_read_through_its_loade
     commit.write_keyframe(store, 0, states[0])  # version 0's digests
     for v in (1, 2):
         _publish(store, v, states[v - 1], states[v])
-    shapes = {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()}
+    shapes = SHAPES_BF16
     model = FusedModel()
     model.load_weights(states[0].items())
     bits(model.qkv_proj.data)[(Q + 3) * H + 5] ^= 1  # k_proj[3, 5], one bit
@@ -232,13 +238,10 @@ def test_a_column_shard_takes_only_its_columns_changes(tmp_path):
     """A copy of a strided part of the tensor given (a column shard) takes exactly the changes
     in those columns, located by index, not through a dense scratch; the model holds only part
     of o_proj, so that tensor's digest cannot be read (left unchecked), the others are."""
-    store = FileStore(tmp_path)
-    states = _states()
-    for v in range(1, 4):
-        _publish(store, v, states[v - 1], states[v])
+    store, states = _chain(tmp_path)
     model = ColumnShardModel()
     model.load_weights(states[0].items())
-    target = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in SHAPES.items()})
+    target = LoaderTarget(model, model.load_weights, SHAPES_BF16)
     f = Follower(store, target)
     assert f.unchecked == {"model.layers.0.self_attn.o_proj.weight"}
     o = "model.layers.0.self_attn.o_proj.weight"
