@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "longest pause between polls (each poll of S3 is a LIST request; relays are long-polled)")
     rc.add_argument("--apply", choices=["loader", "direct"], default="loader",
                     help="place changes through the model's own loader (default) or write tensors directly")
+    rc.add_argument("--json", action="store_true",
+                    help="progress as one JSON object per line (ready, then one per version applied)")
 
     bo = _torchrun_parser(bsub, "overhead", "training-step time with and without the callback (torchrun)", pp=2,
                           extra="Hydra overrides for both runs")
@@ -425,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.model_dir:
                 return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
                                        receiver_id=args.id, fetch_lanes=args.fetch_lanes,
-                                       idle_poll_s=args.idle_poll_ms / 1e3)
+                                       idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
             return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
                                args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes,
-                               idle_poll_s=args.idle_poll_ms / 1e3)
+                               idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
         elif args.cmd == "status":
             from nemo_dcr_callback.status import collect, render
             from nemo_dcr_callback.transport.store import open_store

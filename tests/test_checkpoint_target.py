@@ -128,3 +128,33 @@ def test_sparse_and_dense_records_both_land(tmp_path):
         got = _load(d)
         assert all(torch.equal(bits(got[k]), bits(states[v][k])) for k in states[v]), v
     t.close()
+
+
+def test_receive_stops_at_until_and_reports_json_lines(tmp_path):
+    """`nemo-dcr receive --until V` holds V even when later versions are there (it applied all
+    of them); `--json` prints one object per line; a second run goes on from the directory's
+    version."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store = FileStore(tmp_path / "store")
+    states = _chain(store, steps=3)
+    d = _dir(tmp_path, states[0])
+    exe = Path(sys.executable).parent / "nemo-dcr"
+    url = f"file://{tmp_path / 'store'}"
+    p = subprocess.run([str(exe), "receive", "--store", url, "--model-dir", str(d), "--until", "2", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(ln) for ln in p.stdout.splitlines()]
+    assert [x["event"] for x in lines] == ["ready", "applied", "applied"]
+    assert [x["version"] for x in lines[1:]] == [1, 2] and all(x["digests_checked"] for x in lines[1:])
+    got = _load(d)
+    assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])
+    p = subprocess.run([str(exe), "receive", "--store", url, "--model-dir", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "holds version 2" in p.stdout and "version 3 (base 2)" in p.stdout
+    got = _load(d)
+    assert all(torch.equal(bits(got[k]), bits(states[3][k])) for k in states[3])

@@ -505,15 +505,17 @@ class Follower:
                 return True
         return False
 
-    def poll(self, on_apply: Callable[[Applied], None] | None = None) -> list[Applied]:
+    def poll(self, on_apply: Callable[[Applied], None] | None = None, until: int | None = None) -> list[Applied]:
         """Apply every version that follows the one held, in order (streaming the newest one
-        while it is written); on_apply runs right after each."""
+        while it is written), up to `until` if given; on_apply runs right after each."""
         out = []
         # what a relay's long-poll named as new since the last poll (None: not known); it is
         # this poll's news, so after an apply in the loop below nothing is news any more
         told, self._news = self._news, None
         news = told
         while True:
+            if until is not None and self.version >= until:
+                return out
             progressed = streamed = False
             # While the next version streams, one listing of its folder is the whole poll: it
             # shows new parts, and its record or decision once written (then read below).
@@ -589,7 +591,7 @@ class Follower:
         pause, last_new = poll_s, time.monotonic()
         while until is None or self.version < until:
             try:
-                applied = self.poll(on_apply)
+                applied = self.poll(on_apply, until)
             except StoreError as exc:  # the store is down or failing: keep trying until the deadline
                 if time.monotonic() > deadline:
                     raise

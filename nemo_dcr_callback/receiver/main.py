@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -52,9 +53,21 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
     return None
 
 
+def _emit(json_lines: bool, text: str, **fields) -> None:
+    """One line of progress: the text, or with --json the fields as one JSON object (for fleet
+    tooling to read)."""
+    print(json.dumps(fields) if json_lines else text, flush=True)
+
+
+def _fields(a: Applied) -> dict:
+    return {"event": "applied", "version": a.version, "base": a.base, "changed": a.changed, "chunks": a.chunks,
+            "bytes": a.bytes, "fetch_ms": round(1e3 * a.fetch_s, 3), "apply_ms": round(1e3 * a.apply_s, 3),
+            "decision_wait_ms": round(1e3 * a.wait_s, 3), "digests_checked": a.digest_checked}
+
+
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
                 timeout: float, apply: str = "loader", receiver_id: str | None = None,
-                fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1) -> int:
+                fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
     store = open_store(url)
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
@@ -71,19 +84,22 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
     freeze_long_lived()
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
-    print(f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0", flush=True)
+    _emit(json_lines, f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0",
+          event="ready", model=type(model).__name__, params=n_params, version=0)
 
     def on_apply(a: Applied) -> None:
         line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
                 f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms"
                 + (", digests match" if a.digest_checked else ""))
+        fields = _fields(a)
         if verify:
             bad = verify_version(store, a.version, tensors, timeout)
+            fields.update(bit_exact=bad is None, mismatch=bad)
             if bad is not None:
-                print(line + f"; MISMATCH in {bad} vs the dense export", flush=True)
+                _emit(json_lines, line + f"; MISMATCH in {bad} vs the dense export", **fields)
                 raise SystemExit(3)
             line += "; bit-exact with the dense export"
-        print(line, flush=True)
+        _emit(json_lines, line, **fields)
 
     return _follow(f, follow, until, timeout, on_apply)
 
@@ -94,7 +110,7 @@ def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_app
         if follow:
             f.follow(until=until, timeout=timeout, on_apply=on_apply)
         else:
-            f.poll(on_apply)
+            f.poll(on_apply, until)
     except (codec.ChunkError, TimeoutError, KeyError, OSError) as exc:
         print(f"nemo-dcr receive: error: {exc}", file=sys.stderr)
         return 2
@@ -103,7 +119,7 @@ def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_app
 
 def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, timeout: float,
                     receiver_id: str | None = None, fetch_lanes: int = FETCH_LANES,
-                    idle_poll_s: float = 0.1) -> int:
+                    idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
     """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
     from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
 
@@ -112,12 +128,13 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
     f = Follower(store, target, version=target.version, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
                  idle_poll_s=idle_poll_s)
     freeze_long_lived()
-    print(f"receiver: {model_dir} holds version {target.version}", flush=True)
+    _emit(json_lines, f"receiver: {model_dir} holds version {target.version}", event="ready",
+          model_dir=str(model_dir), version=target.version)
 
     def on_apply(a: Applied) -> None:
-        print(f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
+        _emit(json_lines, f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
               f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms"
-              + (", digests match" if a.digest_checked else ""), flush=True)
+              + (", digests match" if a.digest_checked else ""), **_fields(a))
 
     try:
         return _follow(f, follow, until, timeout, on_apply)
