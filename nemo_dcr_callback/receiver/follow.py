@@ -400,11 +400,7 @@ class Follower:
         out: dict[str, int] = {}
         for d in decoded:
             n = d.header.name
-            if n in self.unchecked:
-                continue
-            t = (self.target.terms_at(n, d.positions) if hasattr(self.target, "terms_at")
-                 else digest.sum64_at(self.target.flat(n), d.positions))
-            out[n] = (out.get(n, 0) + t) & digest.MASK
+            out[n] = (out.get(n, 0) + digest.sum64_at(self.target.flat(n), d.positions)) & digest.MASK
         return out
 
     def apply_version(self, v: int, rec: commit.VersionRecord | None = None, wait_decision: bool = True) -> Applied:

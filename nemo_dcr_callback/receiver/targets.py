@@ -291,6 +291,8 @@ class LoaderTarget:
         self.plain = self._learn()
         self.copies = {"sparse": 0, "strided": 0, "dense": 0}  # the loader's copies combined each way, so far
         self._segments = {n: self._contiguous_segments(n) for n in self._views}
+        # tensors the model holds all of (the rest cannot be digested, and are not read back)
+        self._whole = {n for n in self._views if self._segments[n] is not None or self._covered(n)}
         self._segment_keys = {(n, off, flat.data_ptr()) for n, segs in self._segments.items() if segs
                               for off, _, flat in segs}
 
@@ -339,20 +341,23 @@ class LoaderTarget:
     def numel(self, name: str) -> int:
         return int(torch.Size(self.shapes[name][0]).numel())
 
+    def _covered(self, name: str) -> bool:
+        """Do the loader's copies of this tensor reach every element of it?"""
+        seen = torch.zeros(self.numel(name), dtype=torch.bool)
+        for v in self._views[name]:
+            seen.as_strided(v.shape, v.stride, v.offset).fill_(True)
+        return bool(seen.all())
+
     def canonical(self, name: str) -> torch.Tensor | None:
         """The canonical tensor as the model holds it now (a copy, read through the loader's
         copies), or None if they do not cover it."""
-        views = self._views.get(name)
-        if not views:
+        if name not in self._whole:
             return None
-        shape, dtype = self.shapes[name]
-        out = torch.empty(self.numel(name), dtype=dtype)
-        seen = torch.zeros(self.numel(name), dtype=torch.bool)
+        out = torch.empty(self.numel(name), dtype=self.shapes[name][1])
         with torch.no_grad():
-            for v in views:
+            for v in self._views[name]:
                 out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
-                seen.as_strided(v.shape, v.stride, v.offset).fill_(True)
-        return out if bool(seen.all()) else None
+        return out
 
     def digest_of(self, name: str) -> int | None:
         """The digest of the canonical tensor as the model holds it, or None if the model does
@@ -364,21 +369,6 @@ class LoaderTarget:
             return sum(digest.sum64(flat, base=off) for off, _, flat in segs) & digest.MASK
         t = self.canonical(name)
         return None if t is None else digest.sum64(t)
-
-    def terms_at(self, name: str, positions: torch.Tensor) -> int:
-        """The digest terms of the canonical elements at `positions`, read where the model
-        keeps them (in place for contiguous copies)."""
-        from nemo_dcr_callback import digest
-
-        segs = self._segments.get(name)
-        if segs is None:
-            return digest.sum64_at(self.canonical(name), positions)
-        acc = 0
-        for off, n, flat in segs:
-            lo, hi = _span(positions, off, n)
-            if hi > lo:
-                acc += digest.sum64_at(flat, positions[lo:hi], offset=off)
-        return acc & digest.MASK
 
     def check(self, h: codec.ChunkHeader) -> None:
         if h.name not in self.shapes:
@@ -401,10 +391,9 @@ class LoaderTarget:
         the model does not hold whole get none (the follower does not check them)."""
         from nemo_dcr_callback import digest
 
-        names = {d.header.name for d in decoded}
-        dense = {n: self.canonical(n) for n in names if self._segments.get(n) is None or not self.sparse}
-        dense = {n: t for n, t in dense.items() if t is not None}
-        terms: dict[str, list[int]] = {n: [0, 0] for n in names if n not in dense and self._segments.get(n) is not None}
+        names = {d.header.name for d in decoded} & self._whole
+        dense = {n: self.canonical(n) for n in names if self._segments[n] is None or not self.sparse}
+        terms: dict[str, list[int]] = {n: [0, 0] for n in names if n not in dense}
         self._apply(decoded, terms)
         for n, before in dense.items():
             after = self.canonical(n)
@@ -575,10 +564,9 @@ class CheckpointDirTarget:
         from nemo_dcr_callback import digest
 
         flat = self.flat(name)
-        n = pos.numel()
-        if not n or n * 512 < int(pos[-1]) + 1 - int(pos[0]):
+        lo, hi = (int(pos[0]), int(pos[-1]) + 1) if pos.numel() else (0, 0)
+        if not pos.numel() or pos.numel() * 512 < hi - lo:
             return digest.scatter_terms(flat, pos, new, OP_OVERWRITE)
-        lo, hi = int(pos[0]), int(pos[-1]) + 1
         span = flat[lo:hi].clone()
         terms = digest.scatter_terms(span, pos, new, OP_OVERWRITE, offset=lo)
         sf, e = self.where[name], self.where[name].entries[name]
