@@ -438,11 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(st, indent=2) if args.json else render(st))
         elif args.cmd == "gc":
             from nemo_dcr_callback import commit
+            from nemo_dcr_callback.status import existing
             from nemo_dcr_callback.transport.store import open_store
-            store = open_store(args.store)
-            if getattr(store, "root", None) is not None and not store.root.is_dir():
-                raise FileNotFoundError(f"no store at {store.url} (the directory does not exist)")
-            keys = commit.gc(store, live_s=args.live_s, dry_run=args.dry_run)
+            keys = commit.gc(existing(open_store(args.store)), live_s=args.live_s, dry_run=args.dry_run)
             for k in keys:
                 print(("would delete " if args.dry_run else "deleted ") + k)
             print(f"nemo-dcr gc: {'would delete' if args.dry_run else 'deleted'} {len(keys)} objects")

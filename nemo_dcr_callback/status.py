@@ -35,12 +35,18 @@ class ReceiverRow(TypedDict):
     live: bool
 
 
-def collect(store, last: int = 10, live_s: float = 600.0) -> dict:
-    """The store's state, newest `last` versions in full. A file:// store that does not exist
-    is an error here (a writer would create it; a reader has the wrong path)."""
+def existing(store):
+    """The store, if it is there: a file:// store that does not exist is an error for status
+    and gc (a writer would create it; a reader or cleaner has the wrong path)."""
     root = getattr(store, "root", None)
     if root is not None and not root.is_dir():
         raise FileNotFoundError(f"no store at {store.url} (the directory does not exist)")
+    return store
+
+
+def collect(store, last: int = 10, live_s: float = 600.0) -> dict:
+    """The store's state, newest `last` versions in full."""
+    existing(store)
     now = time.time()
     vs = commit.list_versions(store)
     rows: list[VersionRow] = []
