@@ -33,23 +33,29 @@ import torch
 KINDS = ("state-dict", "loader", "loader-dense", "checkpoint-dir")
 
 
-def _llama(shapes: dict[str, tuple[int, ...]]):
-    """A transformers LlamaForCausalLM whose state_dict has exactly these names and shapes
-    (synthetic.layer_shapes: no GQA, MLP width 2x hidden, untied head), in BF16."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama_config(shapes: dict[str, tuple[int, ...]]):
+    """The transformers LlamaConfig whose model has exactly these names and shapes
+    (synthetic.layer_shapes: no GQA, MLP width 2x hidden, untied head)."""
+    from transformers import LlamaConfig
 
     vocab, hidden = shapes["model.embed_tokens.weight"]
     layers = sum(1 for n in shapes if n.endswith("input_layernorm.weight"))
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
-                      tie_word_embeddings=False)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                       tie_word_embeddings=False)
+
+
+def _llama(cfg, shapes: dict[str, tuple[int, ...]]):
+    """A LlamaForCausalLM of cfg in BF16, checked to hold exactly these tensors."""
+    from transformers import LlamaForCausalLM
+
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if got != {k: tuple(s) for k, s in shapes.items()}:
         raise RuntimeError("the transformers model's tensors do not match the synthetic policy's")
-    return cfg, model
+    return model
 
 
 def _publish(store, states: list[dict[str, torch.Tensor]]) -> list[int]:
@@ -78,7 +84,7 @@ def _receiver(kind: str, states0: dict[str, torch.Tensor], cfg, workdir: Path):
         tensors = {k: v.clone() for k, v in states0.items()}
         return tensors, lambda: tensors, lambda: None
     if kind in ("loader", "loader-dense"):
-        model = _llama({k: tuple(v.shape) for k, v in states0.items()})[1]
+        model = _llama(cfg, {k: tuple(v.shape) for k, v in states0.items()})
         model.load_state_dict(states0)
         shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
         target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes,
@@ -123,7 +129,7 @@ def run(params: int = 1 << 25, rate: float = 0.03, versions: int = 5, rounds: in
         policy.step(lr)
         states.append(policy.bf16())
     del policy
-    cfg = _llama({k: tuple(v.shape) for k, v in states[0].items()})[0]
+    cfg = _llama_config({k: tuple(v.shape) for k, v in states[0].items()})
     work = Path(tempfile.mkdtemp(prefix="nemo-dcr-bench-receive."))
     try:
         store = FileStore(work / "store")
