@@ -8,19 +8,17 @@ are per core). Every round trip is checked bit for bit against the new BF16 weig
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
 
-from nemo_dcr_callback import codec, kernels, synthetic
+from nemo_dcr_callback import codec, synthetic
 from nemo_dcr_callback.codec import Layout, ValueMode
 from nemo_dcr_callback.delta import bits, take_delta
-from nemo_dcr_callback.results import write_json
+from nemo_dcr_callback.results import machine, write_json
 
 
 def _median_time(fn, reps: int, setup=None) -> float:
@@ -32,19 +30,6 @@ def _median_time(fn, reps: int, setup=None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "native_kernels": kernels.native() is not None}
 
 
 def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dict:

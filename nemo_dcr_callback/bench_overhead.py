@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nemo_dcr_callback import procstat
 from nemo_dcr_callback.launch import torchrun_cmd
-from nemo_dcr_callback.results import write_json
+from nemo_dcr_callback.results import machine, write_json
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
@@ -174,7 +174,7 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
            "samples_with": n_with, "samples_without": n_without, "target": 0.05,
            "per_pair_overhead": per_pair, "overhead_ci90": [lo, hi],
            "cpu_ms_per_step_with": med(True), "cpu_ms_per_step_without": med(False),
-           "machine": f"{os.cpu_count()} cores"}
+           "machine": machine()}
     print(_table(a, b) + f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {n_with}/{n_without} steps, "
           f"TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per pair: "
@@ -205,7 +205,7 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
            "runs": runs, "extra": extra, "median_step_ms_with": a, "median_step_ms_without": b,
            "overhead": a / b - 1, "overhead_ci90": [lo, hi], "per_run_overhead": res["per_run"],
            "block_pairs": len(pairs), "samples_with": n_on, "samples_without": n_off, "target": 0.05,
-           "machine": f"{os.cpu_count()} cores"}
+           "machine": machine()}
     print(_table(a, b) + f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {n_on}/{n_off} steps in {len(pairs)} "
           f"pairs of {k}-step blocks, {runs} runs, TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over block pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per run: "

@@ -112,7 +112,7 @@ def _same(held: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str |
 def run(params: int = 1 << 25, rate: float = 0.03, versions: int = 5, rounds: int = 3, kinds=KINDS,
         json_path: str | None = None, seed: int = 0) -> dict:
     from nemo_dcr_callback.receiver import Follower
-    from nemo_dcr_callback.results import write_json
+    from nemo_dcr_callback.results import machine, write_json
     from nemo_dcr_callback.synthetic import make_policy
     from nemo_dcr_callback.transport.store import FileStore
 
@@ -168,16 +168,10 @@ def run(params: int = 1 << 25, rate: float = 0.03, versions: int = 5, rounds: in
         print(f"{k:<16} {row['apply_ms_median']:9.1f} {row['apply_ms_min']:7.1f} {row['apply_ms_max']:7.1f}  "
               f"{'checked' if row['digests_checked'] else 'no':<8} {per:6.1f} ns")
     out = {"benchmark": "receive", "params": n, "rate": rate, "versions": versions, "rounds": rounds,
-           "changed_per_version": changed, "kinds": rows, "machine": _machine(), "wall_s": time.time() - t_start}
+           "changed_per_version": changed, "kinds": rows, "machine": machine(), "wall_s": time.time() - t_start}
     if json_path:
         write_json(json_path, out)
     return out
-
-
-def _machine() -> str:
-    import os
-
-    return f"{os.cpu_count()} cores, {'GPU' if torch.cuda.is_available() else 'no GPU'}"
 
 
 if __name__ == "__main__":

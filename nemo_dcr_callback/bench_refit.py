@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback.results import write_json
+from nemo_dcr_callback.results import machine, write_json
 
 RATES = (0.01, 0.03, 0.05)
 
@@ -237,7 +237,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
            "link_bytes_per_s": link_bps, "dense_s": dense_s, "dense_upload_s": t_up - t0,
            "dense_bit_exact_with_dcr": got["bit_exact"], "part_bytes": part_bytes, "apply": apply,
            "repeats": repeats, "rows": rows, "versions": versions,
-           "machine": f"{os.cpu_count()} cores, no GPU", "wall_s": time.time() - t_start}
+           "machine": machine(), "wall_s": time.time() - t_start}
     print(f"\nmedian of {repeats} version(s) per change rate (receiver apply: {apply})")
     print(f"{'change':>7} {'delta MB':>9} {'codec':>7} {'DCR s':>7} {'dense s':>8} {'speed-up':>9} "
           f"{'target':>7} {'realized':>9} {'overlap':>8}")

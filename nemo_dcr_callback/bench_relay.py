@@ -37,7 +37,7 @@ import torch
 
 from nemo_dcr_callback.bench_refit import JsonProc, ShapedLink
 from nemo_dcr_callback.procstat import cpu_s, host_busy_s
-from nemo_dcr_callback.results import write_json
+from nemo_dcr_callback.results import machine, write_json
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
 
@@ -371,7 +371,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
            "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
            "relay_loopback": tput,
            "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"] if both else None,
-           "machine": f"{os.cpu_count()} cores, no GPU", "wall_s": time.time() - t_start}
+           "machine": machine(), "wall_s": time.time() - t_start}
     print(f"\n{'scenario':<12} {'recv':>4} {'time s':>8} {'MB/version':>11} {'link A MB':>10} {'link B MB':>10} "
           f"{'A x payload':>12} {'recv CPU-s':>11}")
     for r in scen_rows:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_dcr_callback.results import machine
+
 ROWS: list[dict] = []
 
 
@@ -55,7 +57,7 @@ def pytest_terminal_summary(terminalreporter):
     out = os.environ.get("NEMO_DCR_FAULT_TABLE")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"machine": f"{os.cpu_count()} cores, no GPU", "rows": ROWS}, indent=2) + "\n")
+        Path(out).write_text(json.dumps({"machine": machine(), "rows": ROWS}, indent=2) + "\n")
     tr = terminalreporter
     tr.write_line("")
     tr.write_line("| fault | outcome | time to recover | bytes resent |")
