@@ -119,6 +119,13 @@ def update_xor(d: int, positions, new: torch.Tensor, xor: torch.Tensor) -> int:
     return update(d, positions, (bits(new) ^ bits(xor)).view(new.dtype), new)
 
 
+def add_terms(acc: dict[str, tuple[int, int]], name: str, before: int, after: int) -> None:
+    """Add one apply's [before, after] term sums to a tensor's running pair in acc (the sums
+    of a version's pieces of one tensor, checked against the record's digests at the end)."""
+    ob, oa = acc.get(name, (0, 0))
+    acc[name] = ((ob + before) & MASK, (oa + after) & MASK)
+
+
 def move(d: int, terms: list[int]) -> int:
     """The digest after changes whose [old, new] term sums are `terms` (codec.encode_chunk
     adds them up while it encodes)."""

@@ -367,8 +367,7 @@ class Follower:
                 old = None if d.op in (OP_XOR, OP_ULP) else torch.index_select(bits(flat), 0, d.positions)
                 b, a = self.target.apply_with_terms([d])[d.header.name]
                 st.undo.append((d, old))
-                ob, oa = st.terms.get(d.header.name, (0, 0))
-                st.terms[d.header.name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+                digest.add_terms(st.terms, d.header.name, b, a)
             st.applied.add(key)
         return True
 

@@ -91,8 +91,7 @@ class Journal:
         out: dict[str, tuple[int, int]] = {}
         for name, pos, new in recs:
             b, a = digest.scatter_terms(flat_of(name), pos, new, OP_OVERWRITE)
-            ob, oa = out.get(name, (0, 0))
-            out[name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+            digest.add_terms(out, name, b, a)
             fault_point()
         return out
 

@@ -80,8 +80,7 @@ class StateDictTarget:
         terms = list(pool.map(one, decoded)) if pool is not None else [one(d) for d in decoded]
         out: dict[str, tuple[int, int]] = {}
         for d, (b, a) in zip(decoded, terms, strict=True):
-            ob, oa = out.get(d.header.name, (0, 0))
-            out[d.header.name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+            digest.add_terms(out, d.header.name, b, a)
         return out
 
     def names(self) -> list[str]:
@@ -545,8 +544,7 @@ class CheckpointDirTarget:
         out: dict[str, tuple[int, int]] = {}
         for name, pos, new in records:
             b, a = self._write_record(name, pos, new)
-            ob, oa = out.get(name, (0, 0))
-            out[name] = ((ob + b) & digest.MASK, (oa + a) & digest.MASK)
+            digest.add_terms(out, name, b, a)
             self._crash_point()
         for f, mm in self._maps.values():
             mm.flush()
