@@ -59,7 +59,7 @@ bench: setup
 	$(BIN)/nemo-dcr bench placement --json benchmarks/results/placement.json
 	$(BIN)/nemo-dcr bench receive --json benchmarks/results/receive.json
 	$(BIN)/nemo-dcr bench overhead --json benchmarks/results/overhead.json
-	$(BIN)/nemo-dcr bench overhead --alternate 6 --steps 72 --pairs 6 --json benchmarks/results/overhead_alternate.json
+	$(BIN)/nemo-dcr bench overhead --alternate 6 --steps 72 --pairs 10 --json benchmarks/results/overhead_alternate.json
 
 # Needs root (network namespaces, tc tbf); about 4 minutes, mostly the 1 GB dense refit at 100 Mbit/s.
 bench-refit: setup
