@@ -150,6 +150,7 @@ def test_receive_stops_at_until_and_reports_json_lines(tmp_path):
     lines = [json.loads(ln) for ln in p.stdout.splitlines()]
     assert [x["event"] for x in lines] == ["ready", "applied", "applied"]
     assert [x["version"] for x in lines[1:]] == [1, 2] and all(x["digests_checked"] for x in lines[1:])
+    assert all(x["digests_unchecked"] == 0 for x in lines[1:])  # a checkpoint directory holds every tensor whole
     got = _load(d)
     assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])
     p = subprocess.run([str(exe), "receive", "--store", url, "--model-dir", str(d)],

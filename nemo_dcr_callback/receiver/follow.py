@@ -54,6 +54,7 @@ class Applied:
     apply_s: float
     wait_s: float = 0.0  # ack -> decision
     digest_checked: bool = False
+    unchecked: int = 0  # tensors this version changed that the target holds only in part (not digested)
 
 
 FETCH_LANES = 2  # parts of one version downloading at once (Follower's fetch_lanes)
@@ -465,7 +466,8 @@ class Follower:
             commit.register(self.store, self.receiver_id, v)
             self._registered_at = time.monotonic()
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
-                       rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked)
+                       rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked,
+                       len({d.header.name for d in decoded} & self.unchecked))
 
     def _check_digests(self, v, rec, terms: dict[str, tuple[int, int]], keep: bool = True):
         """The digests after applying (terms: per tensor, before and after) against the record's;

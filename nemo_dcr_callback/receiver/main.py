@@ -62,7 +62,16 @@ def _emit(json_lines: bool, text: str, **fields) -> None:
 def _fields(a: Applied) -> dict:
     return {"event": "applied", "version": a.version, "base": a.base, "changed": a.changed, "chunks": a.chunks,
             "bytes": a.bytes, "fetch_ms": round(1e3 * a.fetch_s, 3), "apply_ms": round(1e3 * a.apply_s, 3),
-            "decision_wait_ms": round(1e3 * a.wait_s, 3), "digests_checked": a.digest_checked}
+            "decision_wait_ms": round(1e3 * a.wait_s, 3), "digests_checked": a.digest_checked,
+            "digests_unchecked": a.unchecked}
+
+
+def _digest_note(a: Applied) -> str:
+    """The receive line's digest check, saying so when the model holds some tensors only in
+    part (a loader that keeps a shard): those tensors' digests cannot be read back."""
+    if not a.digest_checked:
+        return ""
+    return ", digests match" + (f" ({a.unchecked} tensors held in part: not checked)" if a.unchecked else "")
 
 
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
@@ -90,7 +99,7 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
     def on_apply(a: Applied) -> None:
         line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
                 f"{a.bytes} bytes, fetch+verify {1e3 * a.fetch_s:.1f} ms, apply {1e3 * a.apply_s:.1f} ms"
-                + (", digests match" if a.digest_checked else ""))
+                + _digest_note(a))
         fields = _fields(a)
         if verify:
             bad = verify_version(store, a.version, tensors, timeout)
@@ -134,7 +143,7 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
     def on_apply(a: Applied) -> None:
         _emit(json_lines, f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
               f"{a.bytes} bytes, applied in place in {1e3 * a.apply_s:.1f} ms"
-              + (", digests match" if a.digest_checked else ""), **_fields(a))
+              + _digest_note(a), **_fields(a))
 
     try:
         return _follow(f, follow, until, timeout, on_apply)
