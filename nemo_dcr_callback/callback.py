@@ -56,6 +56,15 @@ class DCRConfig:
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
 
 
+def _log_step(trainer, default: int) -> int:
+    """The step Lightning's self.log would log at (its loop's count of batches that stepped),
+    so the callback's rows line up with the module's; default where a trainer has no such loop."""
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:
+        return default
+
+
 class DCRCallback(Callback):
     def __init__(self, store: str | None = None, family: str = "llama", vocab_size: int | None = None,
                  every_n_steps: int = 1, max_pending_bytes: int = 1 << 30, chunk_span: int = 1 << 24,
@@ -168,7 +177,7 @@ class DCRCallback(Callback):
                 # straight to the loggers: pl_module.log_dict took 4.7 ms a step on rank 0 here
                 # (Lightning's result collection: more than the delta kernel, on the pipeline's
                 # first stage), CSVLogger.log_metrics microseconds
-                step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", self.steps - 1)  # as self.log's
+                step = _log_step(trainer, self.steps - 1)
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step)
         if self.cfg.verify:
