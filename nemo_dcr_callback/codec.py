@@ -337,18 +337,19 @@ def encode_chunk(
     return _assemble(name, kind, info, gm, vm, lay, numel, lo, hi, count, gap_streams + val_streams)
 
 
-def _scratch(role: str, n: int, dtype=np.uint8) -> np.ndarray:
-    """This thread's reusable output buffer `role` for the fused encoder (its outputs are copied
-    or compressed out before the thread's next chunk): no allocation and no fresh pages per
-    chunk. numpy, not torch: slicing and pointers of numpy arrays cost a third as much, and the
-    encoder's Python wrapper is paid per chunk (16 -> 10 us on a small chunk)."""
+def _scratch(role: str, n: int, dtype=np.uint8) -> tuple[np.ndarray, int]:
+    """This thread's reusable output buffer `role` for the fused encoder, and its address (its
+    outputs are copied or compressed out before the thread's next chunk): no allocation and no
+    fresh pages per chunk. numpy with the address kept, not torch: the encoder's Python wrapper
+    is paid per chunk (16 -> 10 us on a small chunk with numpy, less with the address kept)."""
     bufs = getattr(_tls, "bufs", None)
     if bufs is None:
         bufs = _tls.bufs = {}
-    a = bufs.get(role)
-    if a is None or a.size < n:
-        a = bufs[role] = np.empty(max(n, 1 << 16), dtype=dtype)
-    return a
+    got = bufs.get(role)
+    if got is None or got[0].size < n:
+        a = np.empty(max(n, 1 << 16), dtype=dtype)
+        got = bufs[role] = (a, a.ctypes.data)
+    return got
 
 
 def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor, lo: int, hi: int,
@@ -360,15 +361,14 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     count, w = vals.numel(), vals.element_size()
     gcap = gap_bound(GapMode.GAP8, count, hi - lo) if gap8 else 0
     acap = lib.dcr_ans_bound(count)
-    gaps = _scratch("gaps", gcap)
-    ans = _scratch("ans", acap)
-    esc = _scratch("esc", count * w)
-    out = _scratch("out", 6, np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    gaps, gptr = _scratch("gaps", gcap)
+    ans, aptr = _scratch("ans", acap)
+    esc, eptr = _scratch("esc", count * w)
+    out, optr = _scratch("out", 6, np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
     out[4] = out[5] = 0  # the encoder adds the digest sums
-    optr = out.ctypes.data
     rc = lib.dcr_encode_xor(positions.data_ptr(), int(positions.dtype == torch.int64), vals.data_ptr(),
-                            nv.data_ptr(), count, w, lo, hi, int(gap8), gaps.ctypes.data, gcap, ans.ctypes.data,
-                            acap, esc.ctypes.data, optr, 0 if terms is None else optr + 32)
+                            nv.data_ptr(), count, w, lo, hi, int(gap8), gptr, gcap, aptr, acap, eptr, optr,
+                            0 if terms is None else optr + 32)
     if rc not in (0, -10):
         raise ValueError(f"positions not sorted within [{lo}, {hi}) ({rc})" if rc == -2 else f"fused encoder: {rc}")
     ng, na, ne, ulp, s_old, s_new = out[:6].tolist()
@@ -386,10 +386,12 @@ def _assemble(name: str, kind: Kind, info: DType, gm: GapMode, vm: ValueMode, la
     name_b = name.encode()
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, int(kind), info.code, int(gm), int(vm), int(lay),
                       len(name_b), numel, lo, hi, count, len(streams))
-    parts = [head, *(_STREAM.pack(r, len(p), c) for r, p, c in streams), name_b,
-             *(bytes(p) for _, p, _ in streams)]
-    body = b"".join(parts)
-    return body + _SUM.pack(checksum(body))
+    parts = [head, *(_STREAM.pack(r, len(p), c) for r, p, c in streams), name_b, *(p for _, p, _ in streams)]
+    h = xxhash.xxh3_64()  # the checksum of the body as it is joined: one copy of the chunk, not two
+    for p in parts:
+        h.update(p)
+    parts.append(_SUM.pack(h.intdigest()))
+    return b"".join(parts)
 
 
 def parse_header(buf: bytes | memoryview, verify: bool = True) -> ChunkHeader:
