@@ -134,8 +134,14 @@ class ChunkHeader:
     payload_offset: int
 
 
-def checksum(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(*parts) -> int:
+    """The chunk checksum (xxh3-64) of the parts' concatenation, without joining them."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -347,7 +353,7 @@ def _scratch(role: str, n: int, dtype=np.uint8) -> tuple[np.ndarray, int]:
         bufs = _tls.bufs = {}
     got = bufs.get(role)
     if got is None or got[0].size < n:
-        a = np.empty(max(n, 1 << 16), dtype=dtype)
+        a = np.empty(max(n, (1 << 16) // np.dtype(dtype).itemsize), dtype=dtype)  # at least 64 KiB
         got = bufs[role] = (a, a.ctypes.data)
     return got
 
@@ -387,10 +393,7 @@ def _assemble(name: str, kind: Kind, info: DType, gm: GapMode, vm: ValueMode, la
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, int(kind), info.code, int(gm), int(vm), int(lay),
                       len(name_b), numel, lo, hi, count, len(streams))
     parts = [head, *(_STREAM.pack(r, len(p), c) for r, p, c in streams), name_b, *(p for _, p, _ in streams)]
-    h = xxhash.xxh3_64()  # the checksum of the body as it is joined: one copy of the chunk, not two
-    for p in parts:
-        h.update(p)
-    parts.append(_SUM.pack(h.intdigest()))
+    parts.append(_SUM.pack(checksum(*parts)))  # the body's checksum without joining it first: one copy, not two
     return b"".join(parts)
 
 
