@@ -91,12 +91,21 @@ class Scratch:
         return t[:n]
 
 
+def output_capacity(numel: int, threads: int | None = None) -> int:
+    """Elements the kernel may write for a tensor of numel (its per-thread headroom included)."""
+    return numel + 64 * ((threads or kernels.num_threads()) + 2)
+
+
 def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | None = None,
-               keep_new: bool = False, scratch: Scratch | None = None) -> SparseDelta:
+               keep_new: bool = False, scratch: Scratch | None = None,
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> SparseDelta:
     """One fused pass: XOR, compaction, baseline <- current. Returns the undo log.
 
     keep_new also returns the new values at the changed positions, which the encoder
     needs for ulp coding (written in the same pass, so the encoder does no gather).
+    out: (positions, xor, new) buffers of output_capacity(numel) elements that the kernel
+    writes into and the returned delta views (a publisher's shared-memory segment: the deltas
+    reach the worker with no copy); else they are copied out of worst-case scratch.
     CUDA shards go to the CUDA kernel (cuda_kernels.take_delta_cuda: device outputs).
     """
     if current.is_cuda:
@@ -110,16 +119,25 @@ def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | Non
     c, b = bits(current), bits(baseline)
     n = c.numel()
     threads = threads or kernels.num_threads()
-    cap = n + 64 * (threads + 2)
+    cap = output_capacity(n, threads)
     idt = index_dtype(n)
-    get = scratch.get if scratch is not None else (lambda dt, _role, k: torch.empty(k, dtype=dt))
-    pos = get(idt, "pos", cap)
-    val = get(c.dtype, "val", cap)
-    new = get(c.dtype, "new", cap) if keep_new else None
+    if out is not None:
+        pos, val, new = out
+        if (pos.dtype != idt or val.dtype != c.dtype or min(pos.numel(), val.numel()) < cap
+                or (keep_new and (new is None or new.dtype != c.dtype or new.numel() < cap))):
+            raise ValueError(f"delta output buffers do not fit a {c.dtype} tensor of {n} elements")
+        new = new if keep_new else None
+    else:
+        get = scratch.get if scratch is not None else (lambda dt, _role, k: torch.empty(k, dtype=dt))
+        pos = get(idt, "pos", cap)
+        val = get(c.dtype, "val", cap)
+        new = get(c.dtype, "new", cap) if keep_new else None
     count = lib.dcr_delta(c.data_ptr(), b.data_ptr(), n, c.element_size(), pos.data_ptr(),
                           int(idt == torch.int64), val.data_ptr(), kernels.ptr(new), threads)
     if count < 0:
         raise RuntimeError(f"dcr_delta failed ({count})")
+    if out is not None:  # views of the caller's buffers
+        return SparseDelta(pos[:count], val[:count], n, current.dtype, new[:count] if keep_new else None)
     # Copy out of the worst-case scratch so the undo log holds only what changed. numpy's
     # copy, not torch's: a torch copy this size wakes the intra-op (OpenMP) pool, whose threads
     # then spin between the shard's tensors and doubled the pass's CPU on a shared machine.

@@ -33,12 +33,14 @@ class StepStats:
     per_tensor: dict[str, int] = field(default_factory=dict)  # canonical name -> changed
 
 
-def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_kernels.SideStream) -> SparseDelta:
-    """CPU shards: the compiled CPU kernel. CUDA shards: the CUDA kernel on a side stream, the
-    compacted output in pinned host memory (ready to encode when this returns)."""
+def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_kernels.SideStream,
+          out=None, threads: int | None = None) -> SparseDelta:
+    """CPU shards: the compiled CPU kernel (into `out` if given). CUDA shards: the CUDA kernel
+    on a side stream, the compacted output in pinned host memory (ready to encode when this
+    returns)."""
     if cur.is_cuda:
         return side.take(cur, base)
-    return take_delta(cur, base, keep_new=True, scratch=scratch)
+    return take_delta(cur, base, keep_new=True, scratch=scratch, out=out, threads=threads)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -110,12 +112,15 @@ class ShardSender:
             return canonical_values(pm, self.placement.dtype)
         return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
 
-    def take(self) -> list[tuple[ParamMap, SparseDelta]]:
+    def take(self, outs: list | None = None, threads: int | None = None) -> list[tuple[ParamMap, SparseDelta]]:
         """The synchronous part, right after the optimizer step: one fused kernel pass per
-        owned slice (baselines move to the current bits; the deltas join the undo log)."""
+        owned slice (baselines move to the current bits; the deltas join the undo log).
+        outs: per active slice, (positions, xor, new) buffers the CPU kernel writes into
+        (delta.take_delta's `out`, sized for `threads`), which the deltas then view."""
         taken = []
-        for pm in self.active:
-            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side)
+        for k, pm in enumerate(self.active):
+            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side,
+                      None if outs is None else outs[k], threads)
             self._undo.append((pm.name, d))
             taken.append((pm, d))
         return taken

@@ -59,6 +59,32 @@ def test_multithreaded_large(dtype, threads):
     assert torch.equal(bits(b2), bits(new))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
+def test_kernel_writes_into_caller_buffers(threads, rate):
+    """The publisher's arena path: the kernel writes into given buffers (a shared-memory
+    segment) and the delta views them; same output as the reference, and buffers that cannot
+    hold the worst case are refused before anything is written."""
+    g = torch.Generator().manual_seed(11)
+    old = random_tensor(((1 << 20) + 4099,), torch.bfloat16, g)
+    new = perturb(old, rate, g, specials=True)
+    cap = delta.output_capacity(old.numel(), threads)
+    arena = torch.zeros(cap * 8 + 64, dtype=torch.uint8)
+    pos, val, nv = arena[:cap * 4].view(torch.int32), arena[cap * 4:cap * 6].view(torch.int16), \
+        arena[cap * 6:cap * 8].view(torch.int16)
+    b_ref, b_out = old.clone(), old.clone()
+    with pytest.raises(ValueError, match="do not fit"):
+        delta.take_delta(new, b_out, threads=threads, keep_new=True, out=(pos[:cap - 1], val, nv))
+    assert torch.equal(bits(b_out), bits(old))  # refused: the baseline did not move
+    ref = delta.take_delta_reference(new, b_ref, keep_new=True)
+    d = delta.take_delta(new, b_out, threads=threads, keep_new=True, out=(pos, val, nv))
+    assert d.count == 0 or (d.positions.data_ptr() == pos.data_ptr() and d.new.data_ptr() == nv.data_ptr())
+    assert torch.equal(ref.positions, d.positions) and torch.equal(ref.xor, d.xor) and torch.equal(ref.new, d.new)
+    assert torch.equal(bits(b_out), bits(new))
+    delta.undo(b_out, d)
+    assert torch.equal(bits(b_out), bits(old))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
 def test_undo_restores_previous_baseline(dtype, rate):
