@@ -213,9 +213,11 @@ def _fault_point(rank: int, version: int) -> None:
 
 class _ShmPool:
     """Reusable shared-memory segments that carry each version's deltas to the worker process.
-    The trainer writes a version into a free segment; the worker reads it in place (no copy
-    out) and reports the version uploaded, which frees the segment for a later version. So a
-    step creates no segment, takes no fresh-page faults and copies its deltas once."""
+    The trainer writes a version into a free segment (the CPU kernel writes there itself: see
+    _Arena); the worker reads it in place (no copy out). The segment is free for a later
+    version once the worker has reported the version and its undo log, which may view the
+    segment, is gone (Publisher._unhold). So a step creates no segment and takes no
+    fresh-page faults."""
 
     def __init__(self):
         self.free: list = []
@@ -292,11 +294,16 @@ class _Arena:
         return views
 
     def meta(self, index: dict[int, int], taken: list) -> list:
-        return [(index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in (d.positions, d.xor, d.new)],
-                 [o for o, _, _ in regs]) for (pm, d), regs in zip(taken, self.regions, strict=True)]
+        return [(*_meta(index, pm, d), [o for o, _, _ in regs])
+                for (pm, d), regs in zip(taken, self.regions, strict=True)]
 
     def close(self) -> None:
         self._views.clear()
+
+
+def _meta(index: dict[int, int], pm, d: SparseDelta) -> tuple:
+    """What _unpack needs of one slice's delta: parameter index, count, numel, dtypes."""
+    return index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in (d.positions, d.xor, d.new)]
 
 
 def _pack(index: dict[int, int], taken: list, pool: _ShmPool | None, version: int) -> tuple | list:
@@ -310,7 +317,7 @@ def _pack(index: dict[int, int], taken: list, pool: _ShmPool | None, version: in
     meta, arrs = [], []
     for pm, d in taken:
         parts = [d.positions, d.xor, d.new]
-        meta.append((index[id(pm)], d.count, d.numel, str(d.dtype), [str(a.dtype) for a in parts]))
+        meta.append(_meta(index, pm, d))
         arrs += [a.contiguous().view(torch.uint8).numpy() for a in parts]
     total = sum(a.size for a in arrs)
     seg = pool.take(version, total)
