@@ -120,6 +120,48 @@ def test_fused_encoder_matches_the_generic_path(dtype, rate, seed, pos64, specia
     assert torch.equal(bits(target), bits(new))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pos64", [False, True])
+def test_fused_encoder_vector_and_scalar_paths_agree(monkeypatch, dtype, pos64):
+    """The AVX-512 first pass of the fused encoder (16-bit floats, where the CPU has it) and
+    the portable loop write the same chunk and digest terms: dense and sparse changes, gaps
+    of 255 and more inside a block of 16 (the block's scalar fallback), escapes, counts that
+    are not a multiple of 16, NaN/Inf/-0.0."""
+    from nemo_dcr_callback import kernels
+
+    if kernels.native() is None:
+        pytest.skip("compiled library unavailable")
+    cases = [_pair((70001,), dtype, rate, seed, specials=True)
+             for seed, rate in [(1, 0.05), (2, 0.004), (3, 0.6), (4, 0.0005), (5, 1.0)]]
+    # gaps at the GAP8 boundaries (254 is one byte, 255 two: 255 then 0), placed in blocks
+    rng = np.random.default_rng(7)
+    gaps = rng.integers(0, 40, 4000)
+    gaps[rng.choice(4000, 300, replace=False)] = rng.choice([254, 255, 256, 509, 510, 511, 5000], 300)
+    old = random_tensor((int(gaps.sum()) + 4000 + 10,), dtype, torch.Generator().manual_seed(8), specials=True)
+    new = old.clone()
+    at = torch.from_numpy(np.cumsum(gaps + 1) - 1)
+    step = rng.choice([-300, -3, -2, -1, 1, 2, 3, 300], 4000, p=[0.01, 0.1, 0.2, 0.19, 0.19, 0.2, 0.1, 0.01])
+    bits(new)[at] += torch.from_numpy(step).to(torch.int16)  # a few ulps up or down (the ULP coding wins)
+    cases.append((old, new))
+    for old, new in cases:
+        d = delta.take_delta(new, old.clone(), keep_new=True)
+        pos = d.positions.to(torch.int64 if pos64 else torch.int32)
+        for s, e in [(0, d.count), (0, d.count - d.count % 16), (3, d.count - 5)]:
+            if e <= s:
+                continue
+            lo, hi = int(pos[s]), int(pos[e - 1]) + 1
+            out = []
+            for env in (None, "1"):
+                if env:
+                    monkeypatch.setenv("NEMO_DCR_NO_AVX512", env)
+                else:
+                    monkeypatch.delenv("NEMO_DCR_NO_AVX512", raising=False)
+                terms = [0, 0]
+                out.append((codec.encode_chunk("w", Kind.XOR, dtype, d.numel, lo, hi, pos[s:e], d.xor[s:e],
+                                               d.new[s:e], terms=terms), terms))
+            assert out[0] == out[1], (d.count, s, e)
+
+
 def test_fused_encoder_scratch_is_per_thread():
     """The fused path writes into reusable per-thread buffers: chunks of different sizes
     encoded by four threads at once (as the relay bench's senders and a thread worker do) are

@@ -885,6 +885,93 @@ static double entropy_bits(const uint64_t* h) {
   return acc;
 }
 
+// One change's GAP8 bytes after prev (255 = "add 255 and go on"). 0, or -2 (not after prev
+// or not below hi) / -1 (no room in gaps).
+static inline int64_t gap8_put(int64_t p, int64_t& prev, int64_t hi, uint8_t* gaps, int64_t gaps_cap, int64_t& k) {
+  if (p <= prev || p >= hi) return -2;
+  const int64_t g = p - prev - 1;
+  const int64_t reps = g / 255;
+  if (k + reps + 1 > gaps_cap) return -1;
+  if (reps) {
+    std::memset(gaps + k, 255, reps);
+    k += reps;
+  }
+  gaps[k++] = static_cast<uint8_t>(g - reps * 255);
+  prev = p;
+  return 0;
+}
+
+#if defined(__x86_64__)
+// encode_xor_t's first pass for 16-bit floats, 16 changes per step (AVX-512): the GAP8 bytes
+// of a block whose gaps are all < 255 in one store, the ulp coding (fkey, difference,
+// zig-zag) and both codings' tokens in vector registers, escapes by compress-store. The
+// histogram counts stay scalar. A block with a long gap (or bad positions, or no room)
+// takes the scalar gap code, which makes the same bytes and the same errors. Returns the
+// changes done (a multiple of 16), or < 0 as encode_xor_t.
+template <class I>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
+static int64_t encode_xor_avx512(const I* pos, const uint16_t* v, const uint16_t* nv, int64_t count, int64_t hi,
+                                 int gap8, uint8_t* gaps, int64_t gaps_cap, int64_t& k, int64_t& prev,
+                                 uint32_t (&part)[2][4][256], uint8_t* tok, uint16_t* esc, int64_t& ne) {
+  const __m256i sign = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m256i c255 = _mm256_set1_epi16(255);
+  alignas(16) uint8_t rt[16];
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    if (gap8) {
+      bool fast = k + 16 <= gaps_cap && static_cast<int64_t>(pos[i + 15]) < hi;
+      if (fast) {
+        if constexpr (sizeof(I) == 4) {
+          const __m512i p = _mm512_loadu_si512(pos + i);
+          const __m512i sh = _mm512_alignr_epi32(p, _mm512_set1_epi32(static_cast<int32_t>(prev)), 15);
+          const __m512i g = _mm512_sub_epi32(_mm512_sub_epi32(p, sh), _mm512_set1_epi32(1));
+          fast = _mm512_cmplt_epu32_mask(g, _mm512_set1_epi32(255)) == 0xFFFF;
+          if (fast) _mm_storeu_si128(reinterpret_cast<__m128i*>(gaps + k), _mm512_cvtepi32_epi8(g));
+        } else {
+          const __m512i p0 = _mm512_loadu_si512(pos + i), p1 = _mm512_loadu_si512(pos + i + 8);
+          const __m512i one = _mm512_set1_epi64(1), lim = _mm512_set1_epi64(255);
+          const __m512i g0 = _mm512_sub_epi64(_mm512_sub_epi64(p0, _mm512_alignr_epi64(p0, _mm512_set1_epi64(prev), 7)), one);
+          const __m512i g1 = _mm512_sub_epi64(_mm512_sub_epi64(p1, _mm512_alignr_epi64(p1, p0, 7)), one);
+          fast = _mm512_cmplt_epu64_mask(g0, lim) == 0xFF && _mm512_cmplt_epu64_mask(g1, lim) == 0xFF;
+          if (fast) {
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(gaps + k), _mm512_cvtepi64_epi8(g0));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(gaps + k + 8), _mm512_cvtepi64_epi8(g1));
+          }
+        }
+        if (fast) {
+          k += 16;
+          prev = static_cast<int64_t>(pos[i + 15]);
+        }
+      }
+      if (!fast) {
+        for (int64_t j = i; j < i + 16; ++j)
+          if (const int64_t rc = gap8_put(static_cast<int64_t>(pos[j]), prev, hi, gaps, gaps_cap, k)) return rc;
+      }
+    }
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nv + i));
+    const __m256i old = _mm256_xor_si256(x, b);
+    const __m256i kb = _mm256_xor_si256(b, _mm256_or_si256(_mm256_srai_epi16(b, 15), sign));
+    const __m256i ko = _mm256_xor_si256(old, _mm256_or_si256(_mm256_srai_epi16(old, 15), sign));
+    const __m256i d = _mm256_sub_epi16(kb, ko);
+    const __m256i z = _mm256_xor_si256(_mm256_slli_epi16(d, 1), _mm256_srai_epi16(d, 15));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tok + i), _mm256_cvtepi16_epi8(_mm256_min_epu16(z, c255)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(rt), _mm256_cvtepi16_epi8(_mm256_min_epu16(x, c255)));
+    const __mmask16 m = _mm256_cmpge_epu16_mask(z, c255);
+    if (m) {
+      _mm256_mask_compressstoreu_epi16(esc + ne, m, z);
+      ne += __builtin_popcount(m);
+    }
+    const uint8_t* t = tok + i;
+    for (int j = 0; j < 16; ++j) {
+      part[0][j & 3][rt[j]]++;
+      part[1][j & 3][t[j]]++;
+    }
+  }
+  return i;
+}
+#endif
+
 template <class T, class I>
 static int64_t encode_xor_t(const I* pos, const T* v, const T* nv, int64_t count, int64_t lo, int64_t hi,
                             int gap8, uint8_t* gaps, int64_t gaps_cap, uint8_t* ans, int64_t ans_cap, T* esc,
@@ -896,20 +983,20 @@ static int64_t encode_xor_t(const I* pos, const T* v, const T* nv, int64_t count
   std::vector<uint8_t> tokv(static_cast<size_t>(count));
   uint8_t* tok = tokv.data();
   uint64_t before = 0, after = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t p = static_cast<int64_t>(pos[i]);
-    if (gap8) {
-      if (p <= prev || p >= hi) return -2;
-      const int64_t g = p - prev - 1;
-      const int64_t reps = g / 255;
-      if (k + reps + 1 > gaps_cap) return -1;
-      if (reps) {
-        std::memset(gaps + k, 255, reps);
-        k += reps;
-      }
-      gaps[k++] = static_cast<uint8_t>(g - reps * 255);
-      prev = p;
+  int64_t i0 = 0;
+#if defined(__x86_64__)
+  if constexpr (sizeof(T) == 2) {
+    if (have_avx512() && !std::getenv("NEMO_DCR_NO_AVX512")) {
+      i0 = encode_xor_avx512<I>(pos, reinterpret_cast<const uint16_t*>(v), reinterpret_cast<const uint16_t*>(nv),
+                                count, hi, gap8, gaps, gaps_cap, k, prev, part, tok, reinterpret_cast<uint16_t*>(esc),
+                                ne);
+      if (i0 < 0) return i0;
     }
+  }
+#endif
+  for (int64_t i = i0; i < count; ++i) {
+    if (gap8)
+      if (const int64_t rc = gap8_put(static_cast<int64_t>(pos[i]), prev, hi, gaps, gaps_cap, k)) return rc;
     const T x = v[i], b = nv[i];
     const T z = ulp_of<T>(x, b);
     part[0][i & 3][x >= T(255) ? 255 : x]++;
