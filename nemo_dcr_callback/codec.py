@@ -387,6 +387,50 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     return g, ValueMode(ulp), ans[:na].tobytes(), esc[:ne * w]
 
 
+_REC = 13  # dcr_encode_slice's record per chunk (see the C source)
+
+
+def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, new: torch.Tensor,
+                     dtype: torch.dtype, table: np.ndarray, names: list[str], numels: np.ndarray, span: int,
+                     level: int) -> list[tuple[int, bytes, int, int, int]] | None:
+    """Every chunk of one parameter slice's XOR delta from one compiled call (dcr_encode_slice:
+    the placement's affine maps, the span ranges and the fused encoder): [(canonical index,
+    chunk, changes, old and new digest sums)], byte for byte the chunks of Placement.project
+    plus encode_sparse (the worker's path without Python per segment and chunk). positions:
+    the slice's sorted local positions (+ add); table: ParamMap.segment_table(); names and
+    numels: its canonical tensors. None where the slice needs the generic coding (a chunk with
+    a mean gap of 512 or more, or many escaped values) or a buffer would not do."""
+    info = dtype_info(dtype)
+    count, w = xor.numel(), info.width
+    chunks = int(sum(-(-int(n) // span) for n in numels))  # at most
+    gcap = count + int(numels.sum()) // 255 + 2 * chunks + 16  # the sum of the chunks' gap_bound
+    acap = count + count // 2 + 704 * chunks  # the sum of their rANS bounds
+    spos, sp = _scratch("slice_pos", count, np.int64)
+    _, sxp = _scratch("slice_xor", count * w)
+    _, snp = _scratch("slice_new", count * w)
+    gaps, gp = _scratch("slice_gaps", gcap)
+    ans, ap = _scratch("slice_ans", acap)
+    esc, ep = _scratch("slice_esc", count * w)
+    rec, rp = _scratch("slice_rec", _REC * chunks, np.int64)
+    n = lib.dcr_encode_slice(positions.data_ptr(), int(positions.dtype == torch.int64), count, add, xor.data_ptr(),
+                             new.data_ptr(), w, table.shape[0], table.ctypes.data, len(names), numels.ctypes.data,
+                             span, sp, sxp, snp, count, gp, gcap, ap, acap, ep, count, rp, chunks)
+    if n in (-11, -1):
+        return None
+    if n < 0:
+        raise ValueError(f"slice encoder: positions out of order or outside the slice's segments ({n})")
+    out = []
+    for cid, lo, hi, c, ulp, go, gl, ao, al, eo, ne, s_old, s_new in rec[:_REC * n].reshape(n, _REC).tolist():
+        g, e = gaps[go:go + gl], esc[eo * w:(eo + ne) * w]
+        gpacked, gcodec = _pack_stream(g, level)
+        epacked, ecodec = _pack_stream(e, level)
+        chunk = _assemble(names[cid], Kind.XOR, info, GapMode.GAP8, ValueMode(ulp), Layout.TOKENS, int(numels[cid]),
+                          lo, hi, c, [(g.size, gpacked, gcodec), (c, ans[ao:ao + al].tobytes(), RANS),
+                                      (e.size, epacked, ecodec)])
+        out.append((cid, chunk, c, s_old & digest.MASK, s_new & digest.MASK))
+    return out
+
+
 def _assemble(name: str, kind: Kind, info: DType, gm: GapMode, vm: ValueMode, lay: Layout, numel: int, lo: int,
               hi: int, count: int, streams: list[tuple[int, bytes, int]]) -> bytes:
     name_b = name.encode()

@@ -48,6 +48,9 @@ _SIGNATURES = {
     "dcr_encode_xor": (c_i64, [c_void_p, c_int, c_void_p, c_void_p, c_i64, c_int, c_i64, c_i64, c_int, c_void_p,
                                c_i64, c_void_p, c_i64, c_void_p, c_void_p, c_void_p]),
     "dcr_affine": (c_i64, [c_void_p, c_int, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_void_p]),
+    "dcr_encode_slice": (c_i64, [c_void_p, c_int, c_i64, c_i64, c_void_p, c_void_p, c_int, c_i64, c_void_p, c_i64,
+                                 c_void_p, c_i64, c_void_p, c_void_p, c_void_p, c_i64, c_void_p, c_i64, c_void_p,
+                                 c_i64, c_void_p, c_i64, c_void_p, c_i64]),
 }
 
 

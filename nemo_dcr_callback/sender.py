@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr_callback import codec, cuda_kernels, digest
+from nemo_dcr_callback import codec, cuda_kernels, digest, kernels
 from nemo_dcr_callback.delta import Scratch, SparseDelta, take_delta, undo
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
@@ -61,6 +61,10 @@ def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
 
 
 class ShardSender:
+    # XOR slices of float parameters go through the compiled slice encoder (codec.encode_xor_slice:
+    # projection, chunking and encoding in one call, the same chunks); False: the Python path.
+    fused_slices: bool = True
+
     def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
                  baseline: str = "gpu"):
         self.placement = placement
@@ -132,6 +136,7 @@ class ShardSender:
         (canonical name -> this rank's slice digest) is moved forward by the changes."""
         chunks: list[bytes] = []
         st = StepStats()
+        lib = kernels.native() if self.fused_slices else None
         for pm, d in taken:
             st.params += pm.hi - pm.lo
             st.changed += d.count
@@ -139,6 +144,26 @@ class ShardSender:
                 st.residual_changed += d.count
             if d.count == 0:
                 continue
+            if (lib is not None and not pm.residual and d.xor.element_size() > 1 and d.new is not None
+                    and pm.dtype.is_floating_point and not d.positions.is_cuda):
+                got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
+                                             pm.canon, self.placement.numels(pm), self.span, self.level)
+                if got is not None:
+                    terms: dict[int, list[int]] = {}
+                    for cid, c, n, s_old, s_new in got:
+                        t = terms.setdefault(cid, [0, 0])
+                        t[0], t[1] = (t[0] + s_old) & digest.MASK, (t[1] + s_new) & digest.MASK
+                        st.chunks += 1
+                        st.bytes += len(c)
+                        if emit is None:
+                            chunks.append(c)
+                        else:
+                            emit(c)
+                        st.per_tensor[pm.canon[cid]] = st.per_tensor.get(pm.canon[cid], 0) + n
+                    if digests is not None:
+                        for cid, t in terms.items():
+                            digests[pm.canon[cid]] = digest.move(digests.get(pm.canon[cid], 0), t)
+                    continue
             for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
                 pos = torch.from_numpy(pr.positions)
                 xor, new = _gather(d.xor, pr.parts), _gather(d.new, pr.parts)

@@ -1098,3 +1098,95 @@ extern "C" int64_t dcr_affine(const void* pos, int pos64, int64_t count, int64_t
   return pos64 ? affine_t(static_cast<const int64_t*>(pos), count, add, start, row_len, stride, offset, out)
                : affine_t(static_cast<const int32_t*>(pos), count, add, start, row_len, stride, offset, out);
 }
+
+// ---------------------------------------------------------------- a slice's chunks in one call
+// The worker's hot path for one parameter slice's XOR delta (16/32/64-bit floats): the
+// placement's affine maps (per canonical tensor, its segments in order: sorted canonical
+// positions, values gathered alongside), the chunk ranges of `span` positions, and per chunk
+// the fused encoder (dcr_encode_xor) into shared output buffers. The same chunks, streams and
+// digest terms as Placement.project + codec.encode_sparse, without Python per segment and
+// chunk. seg: nseg rows of (local_start, length, row_len, canon_id, canon_offset,
+// canon_stride); canon_numel: per canon_id. rec: per chunk kRecFields int64 (below).
+// Returns the chunk count; -11 where a chunk needs the generic coding (mean gap >= 512 or
+// many escapes: the caller encodes the slice the generic way), -1 when a buffer is short
+// (likewise), -2 on positions out of order or outside the segments.
+namespace {
+constexpr int kRecFields = 13;  // canon_id, lo, hi, count, ulp, gap off, gap len, ans off, ans len,
+                                // esc off (elements), escapes, digest old, digest new
+
+template <class T, class I>
+int64_t encode_slice_t(const I* pos, int64_t count, int64_t add, const T* xv, const T* nv, int64_t nseg,
+                       const int64_t* seg, int64_t ncanon, const int64_t* canon_numel, int64_t span, int64_t* spos,
+                       T* sxor, T* snew, int64_t scap, uint8_t* gaps, int64_t gaps_cap, uint8_t* ans, int64_t ans_cap,
+                       T* esc, int64_t esc_cap, int64_t* rec, int64_t rec_cap) {
+  if (span <= 0) return -9;
+  std::vector<int64_t> a(nseg), b(nseg);
+  for (int64_t s = 0; s < nseg; ++s) {  // this slice's positions in each segment (positions + add)
+    const int64_t lo = seg[6 * s] - add, hi = seg[6 * s] + seg[6 * s + 1] - add;
+    a[s] = std::lower_bound(pos, pos + count, lo, [](I p, int64_t v) { return static_cast<int64_t>(p) < v; }) - pos;
+    b[s] = std::lower_bound(pos, pos + count, hi, [](I p, int64_t v) { return static_cast<int64_t>(p) < v; }) - pos;
+  }
+  std::vector<char> done(static_cast<size_t>(ncanon), 0);
+  int64_t nrec = 0, goff = 0, aoff = 0, eoff = 0;
+  for (int64_t s0 = 0; s0 < nseg; ++s0) {  // canonical tensors in order of their first segment
+    const int64_t cid = seg[6 * s0 + 3];
+    if (a[s0] == b[s0] || done[cid]) continue;
+    if (cid < 0 || cid >= ncanon) return -2;
+    done[cid] = 1;
+    int64_t n = 0;
+    for (int64_t s = s0; s < nseg; ++s) {
+      if (seg[6 * s + 3] != cid || a[s] == b[s]) continue;
+      const int64_t m = b[s] - a[s];
+      if (n + m > scap) return -1;
+      if (affine_t(pos + a[s], m, add, seg[6 * s], seg[6 * s + 2], seg[6 * s + 5], seg[6 * s + 4], spos + n)) return -2;
+      std::memcpy(sxor + n, xv + a[s], m * sizeof(T));
+      std::memcpy(snew + n, nv + a[s], m * sizeof(T));
+      n += m;
+    }
+    const int64_t numel = canon_numel[cid];
+    int64_t start = 0;
+    for (int64_t lo = 0; lo < numel && start < n; lo += span) {
+      const int64_t hi = std::min(numel, lo + span);
+      const int64_t end = hi >= numel ? n : std::lower_bound(spos + start, spos + n, hi) - spos;
+      const int64_t c = end - start;
+      if (c == 0) continue;
+      if (hi - lo >= 512 * c) return -11;  // codec.encode_chunk: GAP8 alone only below a mean gap of 512
+      if (nrec >= rec_cap || eoff + c > esc_cap) return -1;
+      int64_t info[4] = {0, 0, 0, 0};
+      uint64_t dig[2] = {0, 0};
+      const int64_t rc = encode_xor_t<T, int64_t>(spos + start, sxor + start, snew + start, c, lo, hi, 1, gaps + goff,
+                                                  gaps_cap - goff, ans + aoff, ans_cap - aoff, esc + eoff, info, dig);
+      if (rc == -10) return -11;
+      if (rc < 0) return rc;
+      int64_t* r = rec + kRecFields * nrec++;
+      r[0] = cid, r[1] = lo, r[2] = hi, r[3] = c, r[4] = info[3];
+      r[5] = goff, r[6] = info[0], r[7] = aoff, r[8] = info[1], r[9] = eoff, r[10] = info[2];
+      r[11] = static_cast<int64_t>(dig[0]), r[12] = static_cast<int64_t>(dig[1]);
+      goff += info[0], aoff += info[1], eoff += info[2];
+      start = end;
+    }
+    if (start != n) return -2;  // canonical positions beyond the tensor
+  }
+  return nrec;
+}
+}  // namespace
+
+extern "C" int64_t dcr_encode_slice(const void* pos, int pos64, int64_t count, int64_t add, const void* xv,
+                                    const void* nv, int width, int64_t nseg, const int64_t* seg, int64_t ncanon,
+                                    const int64_t* canon_numel, int64_t span, int64_t* spos, void* sxor, void* snew,
+                                    int64_t scap, uint8_t* gaps, int64_t gaps_cap, uint8_t* ans, int64_t ans_cap,
+                                    void* esc, int64_t esc_cap, int64_t* rec, int64_t rec_cap) {
+  if (width == 1) return -9;
+  if (pos64) {
+    DISPATCH_WIDTH(width, return encode_slice_t<T, int64_t>(
+        static_cast<const int64_t*>(pos), count, add, static_cast<const T*>(xv), static_cast<const T*>(nv), nseg, seg,
+        ncanon, canon_numel, span, spos, static_cast<T*>(sxor), static_cast<T*>(snew), scap, gaps, gaps_cap, ans,
+        ans_cap, static_cast<T*>(esc), esc_cap, rec, rec_cap));
+  } else {
+    DISPATCH_WIDTH(width, return encode_slice_t<T, int32_t>(
+        static_cast<const int32_t*>(pos), count, add, static_cast<const T*>(xv), static_cast<const T*>(nv), nseg, seg,
+        ncanon, canon_numel, span, spos, static_cast<T*>(sxor), static_cast<T*>(snew), scap, gaps, gaps_cap, ans,
+        ans_cap, static_cast<T*>(esc), esc_cap, rec, rec_cap));
+  }
+  return -9;
+}

@@ -49,10 +49,20 @@ class ParamMap:
     size: int = 0  # the parameter's number of elements
     # project()'s search bounds by (add, positions' dtype): made once, not every version
     bounds: dict = field(default_factory=dict, repr=False, compare=False)
+    _table: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
         return self.size
+
+    def segment_table(self) -> np.ndarray:
+        """The segments as one int64 array of rows (local_start, length, row_len, canon_id,
+        canon_offset, canon_stride): the compiled slice encoder's input (made once)."""
+        if self._table is None:
+            self._table = np.ascontiguousarray(np.stack(
+                [self.local_start, self.length, self.row_len, self.canon_id, self.canon_offset, self.canon_stride],
+                axis=1).astype(np.int64).reshape(-1, 6))
+        return self._table
 
 
 @dataclass
@@ -69,9 +79,17 @@ class Placement:
         self.params = params
         self.canonical = canonical  # name -> shape (only those this rank touches)
         self.dtype = dtype
+        self._numels: dict[str, np.ndarray] = {}
 
     def numel(self, name: str) -> int:
         return math.prod(self.canonical[name])
+
+    def numels(self, pm: ParamMap) -> np.ndarray:
+        """The element counts of pm's canonical tensors (int64, in pm.canon's order; made once)."""
+        got = self._numels.get(pm.name)
+        if got is None:
+            got = self._numels[pm.name] = np.array([self.numel(n) for n in pm.canon], dtype=np.int64)
+        return got
 
     @staticmethod
     def project(pm: ParamMap, positions: np.ndarray, add: int = 0) -> list[Projected]:

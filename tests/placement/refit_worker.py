@@ -106,7 +106,15 @@ def main() -> int:
         if any(x != mine for x in peers):
             print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
             return 1
-        chunks, st = sender.step()
+        taken = sender.take()
+        dig_c, dig_p = sender.digests(), sender.digests()
+        chunks, st = sender.encode(taken, digests=dig_c)
+        sender.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
+        py_chunks, _ = sender.encode(taken, digests=dig_p)
+        sender.fused_slices = True
+        if py_chunks != chunks or dig_c != dig_p:
+            print(f"FAIL step {step}: the compiled slice encoder and the Python path differ (rank {rank})")
+            return 1
         if step == 2:  # an aborted refit: the undo log restores the baselines, the retry is identical
             sender.abort()
             again, _ = sender.step()
