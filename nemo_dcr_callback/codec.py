@@ -401,6 +401,7 @@ def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, 
     numels: its canonical tensors. None where the slice needs the generic coding (a chunk with
     a mean gap of 512 or more, or many escaped values) or a buffer would not do."""
     info = dtype_info(dtype)
+    positions, xor, new = positions.contiguous(), xor.contiguous(), new.contiguous()
     count, w = xor.numel(), info.width
     chunks = int(sum(-(-int(n) // span) for n in numels))  # at most
     gcap = count + int(numels.sum()) // 255 + 2 * chunks + 16  # the sum of the chunks' gap_bound

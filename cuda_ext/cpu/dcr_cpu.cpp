@@ -110,7 +110,7 @@ int64_t delta_range_avx512(const uint16_t* cur, uint16_t* base, int64_t begin, i
 
 bool have_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vbmi2");
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
   return ok;
 }
 #endif
