@@ -399,7 +399,10 @@ def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, 
     plus encode_sparse (the worker's path without Python per segment and chunk). positions:
     the slice's sorted local positions (+ add); table: ParamMap.segment_table(); names and
     numels: its canonical tensors. None where the slice needs the generic coding (a chunk with
-    a mean gap of 512 or more, or many escaped values) or a buffer would not do."""
+    a mean gap of 512 or more, or many escaped values) or a buffer would not do. The chunks
+    come back together, so a slice's first chunk is uploaded once the whole slice is encoded
+    (the Python path handed each chunk on as it was done): at about 11 GB/s of dense input
+    per core at 5% changed, a 1 GB slice is about 0.1 s later."""
     info = dtype_info(dtype)
     positions, xor, new = positions.contiguous(), xor.contiguous(), new.contiguous()
     count, w = xor.numel(), info.width
