@@ -313,9 +313,7 @@ def encode_chunk(
             gm, gap_streams = cand, [(raw.size, packed, codec)]
     if fused is not None and fused[1] is not None:
         _, vm, ans_b, esc = fused
-        epacked, ecodec = _pack_stream(esc, level)
-        return _assemble(name, kind, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
-                         gap_streams + [(count, ans_b, RANS), (esc.size, epacked, ecodec)])
+        return _fused_chunk(name, info, gm, gap_streams, vm, ans_b, esc, numel, lo, hi, count, level)
 
     # Values: one pass makes the tokens of the likely coding (ULP for floats) and the
     # histograms of both, then the estimate decides.
@@ -387,16 +385,26 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     return g, ValueMode(ulp), ans[:na].tobytes(), esc[:ne * w]
 
 
+def _fused_chunk(name: str, info: DType, gm: GapMode, gap_streams: list, vm: ValueMode, ans: bytes, esc,
+                 numel: int, lo: int, hi: int, count: int, level: int) -> bytes:
+    """An XOR chunk in the TOKENS layout from the fused encoder's streams (the gap stream(s)
+    already packed, the rANS tokens, the escapes zstd-packed here)."""
+    epacked, ecodec = _pack_stream(esc, level)
+    return _assemble(name, Kind.XOR, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
+                     gap_streams + [(count, ans, RANS), (esc.size, epacked, ecodec)])
+
+
 _REC = 13  # dcr_encode_slice's record per chunk (see the C source)
 
 
 def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, new: torch.Tensor,
                      dtype: torch.dtype, table: np.ndarray, names: list[str], numels: np.ndarray, span: int,
-                     level: int) -> list[tuple[int, bytes, int, int, int]] | None:
+                     level: int) -> list[tuple[int, list[bytes], int, list[int]]] | None:
     """Every chunk of one parameter slice's XOR delta from one compiled call (dcr_encode_slice:
-    the placement's affine maps, the span ranges and the fused encoder): [(canonical index,
-    chunk, changes, old and new digest sums)], byte for byte the chunks of Placement.project
-    plus encode_sparse (the worker's path without Python per segment and chunk). positions:
+    the placement's affine maps, the span ranges and the fused encoder), per canonical tensor
+    in the order Placement.project gives them: [(canonical index, chunks, changes, [old, new]
+    digest sums)], byte for byte the chunks and terms of Placement.project plus encode_sparse
+    (the worker's path without Python per segment and chunk). positions:
     the slice's sorted local positions (+ add); table: ParamMap.segment_table(); names and
     numels: its canonical tensors. None where the slice needs the generic coding (a chunk with
     a mean gap of 512 or more, or many escaped values) or a buffer would not do. The chunks
@@ -423,15 +431,17 @@ def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, 
         return None
     if n < 0:
         raise ValueError(f"slice encoder: positions out of order or outside the slice's segments ({n})")
-    out = []
+    out: list = []  # the C call writes each canonical tensor's chunks in a row
     for cid, lo, hi, c, ulp, go, gl, ao, al, eo, ne, s_old, s_new in rec[:_REC * n].reshape(n, _REC).tolist():
-        g, e = gaps[go:go + gl], esc[eo * w:(eo + ne) * w]
-        gpacked, gcodec = _pack_stream(g, level)
-        epacked, ecodec = _pack_stream(e, level)
-        chunk = _assemble(names[cid], Kind.XOR, info, GapMode.GAP8, ValueMode(ulp), Layout.TOKENS, int(numels[cid]),
-                          lo, hi, c, [(g.size, gpacked, gcodec), (c, ans[ao:ao + al].tobytes(), RANS),
-                                      (e.size, epacked, ecodec)])
-        out.append((cid, chunk, c, s_old & digest.MASK, s_new & digest.MASK))
+        g = gaps[go:go + gl]
+        chunk = _fused_chunk(names[cid], info, GapMode.GAP8, [(g.size, *_pack_stream(g, level))], ValueMode(ulp),
+                             ans[ao:ao + al].tobytes(), esc[eo * w:(eo + ne) * w], int(numels[cid]), lo, hi, c, level)
+        if not out or out[-1][0] != cid:
+            out.append((cid, [], 0, [0, 0]))
+        cid, cs, total, terms = out[-1]
+        cs.append(chunk)
+        terms[0], terms[1] = (terms[0] + s_old) & digest.MASK, (terms[1] + s_new) & digest.MASK
+        out[-1] = (cid, cs, total + c, terms)
     return out
 
 

@@ -137,6 +137,17 @@ class ShardSender:
         chunks: list[bytes] = []
         st = StepStats()
         lib = kernels.native() if self.fused_slices else None
+
+        def deliver(name: str, out: list[bytes], n: int) -> None:
+            st.chunks += len(out)
+            st.bytes += sum(map(len, out))
+            if emit is None:
+                chunks.extend(out)
+            else:
+                for c in out:
+                    emit(c)
+            st.per_tensor[name] = st.per_tensor.get(name, 0) + n
+
         for pm, d in taken:
             st.params += pm.hi - pm.lo
             st.changed += d.count
@@ -149,20 +160,10 @@ class ShardSender:
                 got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
                                              pm.canon, self.placement.numels(pm), self.span, self.level)
                 if got is not None:
-                    terms: dict[int, list[int]] = {}
-                    for cid, c, n, s_old, s_new in got:
-                        t = terms.setdefault(cid, [0, 0])
-                        t[0], t[1] = (t[0] + s_old) & digest.MASK, (t[1] + s_new) & digest.MASK
-                        st.chunks += 1
-                        st.bytes += len(c)
-                        if emit is None:
-                            chunks.append(c)
-                        else:
-                            emit(c)
-                        st.per_tensor[pm.canon[cid]] = st.per_tensor.get(pm.canon[cid], 0) + n
-                    if digests is not None:
-                        for cid, t in terms.items():
-                            digests[pm.canon[cid]] = digest.move(digests.get(pm.canon[cid], 0), t)
+                    for cid, out, n, terms in got:
+                        if digests is not None:
+                            digests[pm.canon[cid]] = digest.move(digests.get(pm.canon[cid], 0), terms)
+                        deliver(pm.canon[cid], out, n)
                     continue
             for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
                 pos = torch.from_numpy(pr.positions)
@@ -179,14 +180,7 @@ class ShardSender:
                                               span=self.span, level=self.level, terms=terms)
                     if terms is not None:
                         digests[pr.name] = digest.move(digests.get(pr.name, 0), terms)
-                st.chunks += len(out)
-                st.bytes += sum(map(len, out))
-                if emit is None:
-                    chunks += out
-                else:
-                    for c in out:
-                        emit(c)
-                st.per_tensor[pr.name] = st.per_tensor.get(pr.name, 0) + pos.numel()
+                deliver(pr.name, out, pos.numel())
         return chunks, st
 
     def step(self) -> tuple[list[bytes], StepStats]:

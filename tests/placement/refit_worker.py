@@ -107,7 +107,8 @@ def main() -> int:
             print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
             return 1
         taken = sender.take()
-        dig_c, dig_p = sender.digests(), sender.digests()
+        dig_c = sender.digests()
+        dig_p = dict(dig_c)
         chunks, st = sender.encode(taken, digests=dig_c)
         sender.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
         py_chunks, _ = sender.encode(taken, digests=dig_p)
