@@ -1121,10 +1121,12 @@ int64_t encode_slice_t(const I* pos, int64_t count, int64_t add, const T* xv, co
                        T* esc, int64_t esc_cap, int64_t* rec, int64_t rec_cap) {
   if (span <= 0) return -9;
   std::vector<int64_t> a(nseg), b(nseg);
+  const auto first_at = [pos, count](int64_t v) {  // the first position >= v
+    return std::lower_bound(pos, pos + count, v, [](I p, int64_t x) { return static_cast<int64_t>(p) < x; }) - pos;
+  };
   for (int64_t s = 0; s < nseg; ++s) {  // this slice's positions in each segment (positions + add)
-    const int64_t lo = seg[6 * s] - add, hi = seg[6 * s] + seg[6 * s + 1] - add;
-    a[s] = std::lower_bound(pos, pos + count, lo, [](I p, int64_t v) { return static_cast<int64_t>(p) < v; }) - pos;
-    b[s] = std::lower_bound(pos, pos + count, hi, [](I p, int64_t v) { return static_cast<int64_t>(p) < v; }) - pos;
+    a[s] = first_at(seg[6 * s] - add);
+    b[s] = first_at(seg[6 * s] + seg[6 * s + 1] - add);
   }
   std::vector<char> done(static_cast<size_t>(ncanon), 0);
   int64_t nrec = 0, goff = 0, aoff = 0, eoff = 0;
