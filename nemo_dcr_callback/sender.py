@@ -132,8 +132,9 @@ class ShardSender:
     def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
                digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
         """Projection and encoding (may run in a background thread): canonical chunks, each
-        passed to `emit` as soon as it is encoded (then not returned) or returned. `digests`
-        (canonical name -> this rank's slice digest) is moved forward by the changes."""
+        passed to `emit` as soon as it is encoded (a slice through the compiled slice encoder:
+        once the slice is) and then not returned, or returned. `digests` (canonical name ->
+        this rank's slice digest) is moved forward by the changes."""
         chunks: list[bytes] = []
         st = StepStats()
         lib = kernels.native() if self.fused_slices else None
