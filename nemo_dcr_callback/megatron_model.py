@@ -138,11 +138,14 @@ def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | No
 
         return out, loss_func
 
+    from nemo_dcr_callback.megatron_cpu import gemm_mode
+
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=micro,
-        seq_length=seq, micro_batch_size=batch, forward_only=False)
+    with gemm_mode():  # bf16 GEMMs through fp32 on CPUs without AVX-512 (see megatron_cpu)
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=micro,
+            seq_length=seq, micro_batch_size=batch, forward_only=False)
     ok, _, _ = opt.step()
     if not ok:
         raise RuntimeError("optimizer step skipped (overflow)")
