@@ -191,26 +191,46 @@ def bf16_gemm_via_fp32() -> bool:
     return not torch.cpu._is_avx512_supported()
 
 
-_GEMMS = None
+# The torch-level GEMM entry points megatron-core's layers, its attention and their backward
+# call (torch.matmul, Tensor.matmul, torch.baddbmm, torch.bmm, ...). Wrapping these costs
+# about 1 us a GEMM; a TorchDispatchMode would see every op instead, about 20 us each here
+# (measured ad hoc), 5% of a demo step. Casts outside the GEMM are autograd ops, so the
+# backward of a wrapped product runs in fp32 too.
+_GEMM_FNS = [(torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "baddbmm"), (torch, "addmm"),
+             (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"), (torch.Tensor, "mm"), (torch.Tensor, "bmm"),
+             (torch.nn.functional, "linear")]
+_gemm_depth = 0
+_gemm_saved: list = []
 
 
-def _gemm_mode_cls():
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _via_fp32(fn):
+    bf16 = torch.bfloat16
 
-    global _GEMMS
-    aten = torch.ops.aten
-    _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        ts = [a for a in args if isinstance(a, torch.Tensor)]
+        if "out" in kwargs or not ts or any(t.dtype is not bf16 or t.device.type != "cpu" for t in ts):
+            return fn(*args, **kwargs)  # only all-bf16 CPU products: anything else as torch does it
+        return fn(*[a.float() if isinstance(a, torch.Tensor) else a for a in args], **kwargs).to(bf16)
 
-    class _Fp32Gemm(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in _GEMMS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
-                                      and a.device.type == "cpu" for a in args):
-                up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
-                return func(*up, **kwargs).to(torch.bfloat16)
-            return func(*args, **kwargs)
+    return wrapper
 
-    return _Fp32Gemm
+
+@contextlib.contextmanager
+def _fp32_gemms():
+    global _gemm_depth
+    if _gemm_depth == 0:
+        _gemm_saved[:] = [(owner, name, getattr(owner, name)) for owner, name in _GEMM_FNS]
+        for owner, name, fn in _gemm_saved:
+            setattr(owner, name, _via_fp32(fn))
+    _gemm_depth += 1
+    try:
+        yield
+    finally:
+        _gemm_depth -= 1
+        if _gemm_depth == 0:
+            for owner, name, fn in _gemm_saved:
+                setattr(owner, name, fn)
 
 
 def gemm_mode():
@@ -218,4 +238,4 @@ def gemm_mode():
     else nothing."""
     if torch.cuda.is_available() or not bf16_gemm_via_fp32():
         return contextlib.nullcontext()
-    return _gemm_mode_cls()()
+    return _fp32_gemms()

@@ -45,3 +45,15 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv(megatron_cpu.BF16_GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="NEMO_DCR_CPU_BF16_GEMM='fast'"):
         megatron_cpu.bf16_gemm_via_fp32()
+
+
+def test_gemm_mode_puts_torch_back(monkeypatch):
+    monkeypatch.setenv(megatron_cpu.BF16_GEMM_ENV, "fp32")
+    before = (torch.matmul, torch.Tensor.matmul, torch.nn.functional.linear)
+    with megatron_cpu.gemm_mode():
+        with megatron_cpu.gemm_mode():
+            assert torch.matmul is not before[0]
+        assert torch.matmul is not before[0]  # the outer context still holds
+        a = torch.ones(2, 3)  # fp32 products are torch's own
+        assert torch.equal(a @ a.T, torch.full((2, 2), 3.0))
+    assert (torch.matmul, torch.Tensor.matmul, torch.nn.functional.linear) == before
