@@ -108,6 +108,78 @@ int64_t delta_range_avx512(const uint16_t* cur, uint16_t* base, int64_t begin, i
   return k + delta_range<uint16_t, int32_t, kNew>(cur, base, i, end, pos + k, val + k, kNew ? newv + k : nullptr);
 }
 
+// AVX2 version of the same pass for CPUs without AVX-512 (AMD Zen 2/3, older Intel): 16
+// elements per step; the changed lanes of each half are compacted through two tables indexed
+// by the half's 8-bit mask (pshufb for the 16-bit values, vpermd for the int32 positions).
+// Stores may run up to 8 elements past the count, inside the segment as above.
+struct CompactLut {
+  alignas(32) uint32_t perm[256][8];
+  alignas(16) uint8_t shuf[256][16];
+  CompactLut() {
+    for (int m = 0; m < 256; ++m) {
+      int c = 0;
+      for (int j = 0; j < 8; ++j)
+        if (m >> j & 1) {
+          perm[m][c] = static_cast<uint32_t>(j);
+          shuf[m][2 * c] = static_cast<uint8_t>(2 * j);
+          shuf[m][2 * c + 1] = static_cast<uint8_t>(2 * j + 1);
+          ++c;
+        }
+      for (int r = c; r < 8; ++r) {
+        perm[m][r] = 0;
+        shuf[m][2 * r] = shuf[m][2 * r + 1] = 0x80;
+      }
+    }
+  }
+};
+
+const CompactLut& compact_lut() {
+  static const CompactLut lut;
+  return lut;
+}
+
+template <bool kNew>
+__attribute__((target("avx2,popcnt")))
+int64_t delta_range_avx2(const uint16_t* cur, uint16_t* base, int64_t begin, int64_t end, int32_t* pos,
+                         uint16_t* val, uint16_t* newv) {
+  const CompactLut& lut = compact_lut();
+  int64_t k = 0;
+  int64_t i = begin;
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i zero = _mm256_setzero_si256();
+  for (; i + 16 <= end; i += 16) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cur + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + i));
+    __m256i x = _mm256_xor_si256(a, b);
+    if (_mm256_testz_si256(x, x)) continue;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + i), a);
+    __m256i z = _mm256_cmpeq_epi16(x, zero);  // all ones in the unchanged lanes
+    __m128i zb = _mm_packs_epi16(_mm256_castsi256_si128(z), _mm256_extracti128_si256(z, 1));
+    unsigned m = ~static_cast<unsigned>(_mm_movemask_epi8(zb)) & 0xFFFFu;
+    for (int h = 0; h < 2; ++h) {
+      unsigned mh = (m >> (8 * h)) & 0xFFu;
+      if (!mh) continue;
+      __m128i sh = _mm_load_si128(reinterpret_cast<const __m128i*>(lut.shuf[mh]));
+      __m128i xh = h ? _mm256_extracti128_si256(x, 1) : _mm256_castsi256_si128(x);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(val + k), _mm_shuffle_epi8(xh, sh));
+      if (kNew) {
+        __m128i ah = h ? _mm256_extracti128_si256(a, 1) : _mm256_castsi256_si128(a);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(newv + k), _mm_shuffle_epi8(ah, sh));
+      }
+      __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i + 8 * h)), iota);
+      __m256i pm = _mm256_load_si256(reinterpret_cast<const __m256i*>(lut.perm[mh]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pos + k), _mm256_permutevar8x32_epi32(idx, pm));
+      k += __builtin_popcount(mh);
+    }
+  }
+  return k + delta_range<uint16_t, int32_t, kNew>(cur, base, i, end, pos + k, val + k, kNew ? newv + k : nullptr);
+}
+
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+  return ok;
+}
+
 bool have_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
@@ -148,13 +220,22 @@ int64_t delta_mt(const void* cur_, void* base_, int64_t n, void* pos_, void* val
     int64_t off = begin[t] + t * kSlack;
 #if defined(__x86_64__)
     if constexpr (sizeof(T) == 2 && sizeof(I) == 4) {
+      using Pass = int64_t (*)(const uint16_t*, uint16_t*, int64_t, int64_t, int32_t*, uint16_t*, uint16_t*);
+      Pass with_new = nullptr, plain = nullptr;
       if (have_avx512() && !std::getenv("NEMO_DCR_NO_AVX512")) {
+        with_new = delta_range_avx512<true>;
+        plain = delta_range_avx512<false>;
+      } else if (have_avx2() && !std::getenv("NEMO_DCR_NO_AVX2")) {
+        with_new = delta_range_avx2<true>;
+        plain = delta_range_avx2<false>;
+      }
+      if (with_new) {
+        auto* c = reinterpret_cast<const uint16_t*>(cur);
+        auto* b = reinterpret_cast<uint16_t*>(base);
         auto* p = reinterpret_cast<int32_t*>(pos + off);
         auto* v = reinterpret_cast<uint16_t*>(val + off);
-        count[t] = newv ? delta_range_avx512<true>(reinterpret_cast<const uint16_t*>(cur), reinterpret_cast<uint16_t*>(base),
-                                                   begin[t], begin[t + 1], p, v, reinterpret_cast<uint16_t*>(newv + off))
-                        : delta_range_avx512<false>(reinterpret_cast<const uint16_t*>(cur), reinterpret_cast<uint16_t*>(base),
-                                                    begin[t], begin[t + 1], p, v, nullptr);
+        count[t] = newv ? with_new(c, b, begin[t], begin[t + 1], p, v, reinterpret_cast<uint16_t*>(newv + off))
+                        : plain(c, b, begin[t], begin[t + 1], p, v, nullptr);
         return;
       }
     }
