@@ -188,14 +188,15 @@ def bf16_gemm_via_fp32() -> bool:
         return choice == "fp32"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    return not torch.cpu._is_avx512_supported()
+    return torch.backends.cpu.get_cpu_capability() != "AVX512"  # public since torch 2.1
 
 
 # The torch-level GEMM entry points megatron-core's layers, its attention and their backward
-# call (torch.matmul, Tensor.matmul, torch.baddbmm, torch.bmm, ...). Wrapping these costs
-# about 1 us a GEMM; a TorchDispatchMode would see every op instead, about 20 us each here
-# (measured ad hoc), 5% of a demo step. Casts outside the GEMM are autograd ops, so the
-# backward of a wrapped product runs in fp32 too.
+# call (torch.matmul, Tensor.matmul, torch.baddbmm, torch.bmm, ...). Only GEMM calls pay for
+# the wrapper; a TorchDispatchMode would see every op instead, about 20 us each here (a 1-rank
+# step of TinyGPTConfig's default model: 123 ms with one, 43 ms with these wrappers; ad hoc).
+# Casts outside the GEMM are autograd ops, so the backward of a wrapped product runs in fp32
+# too.
 _GEMM_FNS = [(torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "baddbmm"), (torch, "addmm"),
              (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"), (torch.Tensor, "mm"), (torch.Tensor, "bmm"),
              (torch.nn.functional, "linear")]
