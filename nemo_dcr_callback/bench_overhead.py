@@ -205,7 +205,9 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
            "runs": runs, "extra": extra, "median_step_ms_with": a, "median_step_ms_without": b,
            "overhead": a / b - 1, "overhead_ci90": [lo, hi], "per_run_overhead": res["per_run"],
            "block_pairs": len(pairs), "samples_with": n_on, "samples_without": n_off, "target": 0.05,
-           "machine": machine()}
+           "machine": machine(),
+           # every measured step, so that runs of the same code can be pooled later
+           "pairs": [{"on": p[True], "off": p[False]} for p in pairs]}
     print(_table(a, b) + f"overhead {100 * (a / b - 1):+.1f}% (target <= +5%), {n_on}/{n_off} steps in {len(pairs)} "
           f"pairs of {k}-step blocks, {runs} runs, TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over block pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per run: "
