@@ -159,15 +159,6 @@ def receiver_main(args: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ sender (root namespace)
-def sender_threads() -> None:
-    """One intra-op thread in the benchmark's sender, as in the publisher's worker process
-    (publisher._worker_loop). With torch's default pool, each parallel op (the synthetic
-    policy's step and BF16 copy just before t0 among them) left an OpenMP thread spinning for
-    a while after it, on a core the relays and receivers needed: 0.20 vs 0.25 CPU-s per version
-    in the relay bench's sender, 8 receivers about 9% sooner (2 interleaved pairs, ad hoc)."""
-    torch.set_num_threads(1)
-
-
 def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int = 1 << 20,
         json_path: str | None = None, seed: int = 0, apply: str = "sealed", repeats: int = 3) -> dict:
     from safetensors.torch import save, save_file
@@ -180,7 +171,6 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
     print(f"nemo-dcr bench refit: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
     policy = synthetic.make_policy(params, seed=seed)
-    sender_threads()  # after the build (many threads): from here on as the product's sender
     cur = policy.bf16()
     dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
     lrs = [policy.lr_for_rate(r) for r in rates]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback.bench_refit import JsonProc, ShapedLink, sender_threads
+from nemo_dcr_callback.bench_refit import JsonProc, ShapedLink
 from nemo_dcr_callback.procstat import cpu_s, host_busy_s
 from nemo_dcr_callback.results import machine, write_json
 
@@ -201,7 +201,6 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
     print(f"nemo-dcr bench relay: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
     policy = synthetic.make_policy(params, seed=seed)
-    sender_threads()  # after the build (many threads): from here on as the product's sender
     lr = policy.lr_for_rate(rate)
     cur = policy.bf16()
     dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
