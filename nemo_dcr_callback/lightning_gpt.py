@@ -101,6 +101,11 @@ class MegatronGPTModule(L.LightningModule):
         if os.environ.get(STEP_CLOCK_ENV) and self.trainer.global_rank == 0:  # bench overhead: when steps start
             print(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}", flush=True)
         loss = train_step(self._ddp, self._opt, batch, self.cfg)
+        if batch_idx == 0 and self.trainer.global_rank == 0:
+            from nemo_dcr_callback.megatron_cpu import fp32_gemm_products
+
+            if n := fp32_gemm_products():  # the CPU run mode took the model's products (megatron_cpu)
+                print(f"cpu run mode: step 1 computed {n} bf16 matrix products in fp32 on rank 0", flush=True)
         if loss is not None:
             self.log("loss", loss, on_step=True, prog_bar=False, batch_size=1)
         return None

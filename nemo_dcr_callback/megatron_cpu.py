@@ -202,6 +202,13 @@ _GEMM_FNS = [(torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "baddbmm"
              (torch.nn.functional, "linear")]
 _gemm_depth = 0
 _gemm_saved: list = []
+_gemm_products = 0  # products computed through fp32 in this process (the first step reports it)
+
+
+def fp32_gemm_products() -> int:
+    """How many bf16 products this process has computed through fp32 so far: the proof that the
+    mode reached the model's own layers (a native bf16 GEMM may give the same bits)."""
+    return _gemm_products
 
 
 def _via_fp32(fn):
@@ -212,6 +219,8 @@ def _via_fp32(fn):
         ts = [a for a in args if isinstance(a, torch.Tensor)]
         if "out" in kwargs or not ts or any(t.dtype is not bf16 or t.device.type != "cpu" for t in ts):
             return fn(*args, **kwargs)  # only all-bf16 CPU products: anything else as torch does it
+        global _gemm_products
+        _gemm_products += 1
         return fn(*[a.float() if isinstance(a, torch.Tensor) else a for a in args], **kwargs).to(bf16)
 
     return wrapper

@@ -19,7 +19,10 @@ def _train(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 
-def test_callback_from_yaml_with_overrides(tmp_path):
+def test_callback_from_yaml_with_overrides(tmp_path, monkeypatch):
+    # the CPU run mode's fp32 products forced on (the default on CPUs without AVX-512): the
+    # model's own layers must go through them, and the versions stay bit-exact
+    monkeypatch.setenv("NEMO_DCR_CPU_BF16_GEMM", "fp32")
     store = tmp_path / "elsewhere"
     p = _train(tmp_path, 2, "parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "model.num_layers=2",
                "model.hidden_size=128", "model.ffn_hidden_size=352", "model.num_attention_heads=4",
@@ -28,6 +31,9 @@ def test_callback_from_yaml_with_overrides(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     versions = re.findall(r"dcr: version (\d+): receiver bit-exact with the dense export", p.stdout)
     assert versions == ["1", "2", "3"], p.stdout[-3000:]
+    products = re.search(r"cpu run mode: step 1 computed (\d+) bf16 matrix products in fp32", p.stdout)
+    # at least the forward of 2 micro-batches x 2 layers x 4 linear layers (QKV, proj, fc1, fc2)
+    assert products and int(products.group(1)) >= 16, p.stdout[-3000:]
     assert (store / "versions" / "0000000003" / "VERSION.json").exists()  # dcr.store honoured
     assert (store / "keyframe" / "0000000000" / "config.json").exists()
     metrics = list(csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))))

@@ -37,6 +37,18 @@ def test_fp32_gemm_mode_matches_an_fp32_gemm_rounded_to_bf16(monkeypatch):
     assert torch.allclose(s.float(), s_native.float(), rtol=2 ** -7, atol=1e-2)
 
 
+def test_products_are_counted(monkeypatch):
+    monkeypatch.setenv(megatron_cpu.BF16_GEMM_ENV, "fp32")
+    n0 = megatron_cpu.fp32_gemm_products()
+    _linear_and_grads(megatron_cpu.gemm_mode())  # linear (forward, both grads via matmul/mm) and baddbmm
+    assert megatron_cpu.fp32_gemm_products() - n0 >= 2
+    n1 = megatron_cpu.fp32_gemm_products()
+    with megatron_cpu.gemm_mode():
+        torch.ones(2, 3) @ torch.ones(3, 2)  # fp32: torch's own, not counted
+    _linear_and_grads(contextlib.nullcontext())  # outside the mode: not counted
+    assert megatron_cpu.fp32_gemm_products() == n1
+
+
 def test_env_switch(monkeypatch):
     monkeypatch.setenv(megatron_cpu.BF16_GEMM_ENV, "native")
     assert not megatron_cpu.bf16_gemm_via_fp32()
