@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 from nemo_dcr_callback.launch import torchrun_cmd
+from nemo_dcr_callback.megatron_cpu import BF16_GEMM_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ def _train(tmp_path: Path, nproc: int, *overrides: str) -> subprocess.CompletedP
 def test_callback_from_yaml_with_overrides(tmp_path, monkeypatch):
     # the CPU run mode's fp32 products forced on (the default on CPUs without AVX-512): the
     # model's own layers must go through them, and the versions stay bit-exact
-    monkeypatch.setenv("NEMO_DCR_CPU_BF16_GEMM", "fp32")
+    monkeypatch.setenv(BF16_GEMM_ENV, "fp32")
     store = tmp_path / "elsewhere"
     p = _train(tmp_path, 2, "parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "model.num_layers=2",
                "model.hidden_size=128", "model.ffn_hidden_size=352", "model.num_attention_heads=4",
