@@ -278,7 +278,7 @@ def _torchrun(nproc: int, module: str, args: list[str]) -> int:
     """Run a module under torchrun on this host (gloo on CPU)."""
     import subprocess
 
-    from nemo_dcr_callback.launch import torchrun_cmd
+    from nemo_dcr_callback.testing.launch import torchrun_cmd
 
     return subprocess.run(torchrun_cmd(nproc, ["-m", module, *args])).returncode
 
@@ -300,7 +300,7 @@ def _receive_store(args) -> str:
 
 
 def _plan(args) -> int:
-    from nemo_dcr_callback import planner
+    from nemo_dcr_callback.tools import planner
     if args.validate:
         rows = planner.run_validate(args.json)
         return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
@@ -318,7 +318,7 @@ def _plan(args) -> int:
                             part_MB=args.part_mb)
     p = planner.plan(inp, planner.Coefficients.load())
     if args.json:
-        from nemo_dcr_callback.results import write_json
+        from nemo_dcr_callback.bench.results import write_json
         write_json(args.json, p, quiet=True)
     planner.print_plan(p)
     return 0
@@ -357,40 +357,40 @@ def _relay(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from nemo_dcr_callback import codec
-    from nemo_dcr_callback.checkpoint import CheckpointError
-    from nemo_dcr_callback.deltafile import DeltaError
+    from nemo_dcr_callback.tools.checkpoint import CheckpointError
+    from nemo_dcr_callback.tools.deltafile import DeltaError
 
     try:
         if args.cmd == "diff":
-            from nemo_dcr_callback.deltafile import diff
+            from nemo_dcr_callback.tools.deltafile import diff
             span = args.chunk_span or codec.DEFAULT_CHUNK_SPAN
             diff(args.old, args.new, args.output, span=span, level=args.level, quiet=args.quiet)
             if not args.quiet:
-                from nemo_dcr_callback.deltafile import stats
+                from nemo_dcr_callback.tools.deltafile import stats
                 print_stats(stats(args.output))
         elif args.cmd == "patch":
-            from nemo_dcr_callback.deltafile import patch
+            from nemo_dcr_callback.tools.deltafile import patch
             patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet)
             if not args.quiet:
                 print(f"wrote {args.output} (every tensor digest verified)")
         elif args.cmd == "stats":
-            from nemo_dcr_callback.deltafile import stats
+            from nemo_dcr_callback.tools.deltafile import stats
             st = stats(args.delta)
             print(json.dumps(st, indent=2)) if args.json else print_stats(st)
         elif args.cmd == "bench" and args.bench == "overhead":
-            from nemo_dcr_callback import bench_overhead
+            from nemo_dcr_callback.bench import overhead as bench_overhead
             bench_overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra),
                                alternate=args.alternate)
         elif args.cmd == "bench" and args.bench == "refit":
-            from nemo_dcr_callback import bench_refit
+            from nemo_dcr_callback.bench import refit as bench_refit
             bench_refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
                             json_path=args.json, apply=args.apply, repeats=args.repeats)
         elif args.cmd == "bench" and args.bench == "receive":
-            from nemo_dcr_callback import bench_receive
+            from nemo_dcr_callback.bench import receive as bench_receive
             bench_receive.run(args.params, args.rate, args.versions, args.rounds, tuple(args.kinds.split(",")),
                               json_path=args.json)
         elif args.cmd == "bench" and args.bench == "relay":
-            from nemo_dcr_callback import bench_relay
+            from nemo_dcr_callback.bench import relay as bench_relay
             bench_relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
                             scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds,
                             access_logs=args.access_logs)
@@ -410,16 +410,16 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 s3.stop()
         elif args.cmd == "bench" and args.bench == "cuda":
-            from nemo_dcr_callback import bench_cuda
+            from nemo_dcr_callback.bench import cuda as bench_cuda
             return bench_cuda.run([int(x) for x in args.sizes_mib.split(",") if x],
                                   [float(x) for x in args.rates.split(",") if x], args.reps, args.json,
                                   check=not args.skip_check)
         elif args.cmd == "bench" and args.bench == "placement":
-            return _torchrun(args.tp * args.pp, "nemo_dcr_callback.placement.bench",
+            return _torchrun(args.tp * args.pp, "nemo_dcr_callback.bench.placement",
                              ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
                              + (["--json", args.json] if args.json else []) + list(args.extra))
         elif args.cmd == "bench":
-            from nemo_dcr_callback import bench
+            from nemo_dcr_callback.bench import codec as bench
             bench.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
         elif args.cmd == "receive":
             from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
@@ -432,31 +432,31 @@ def main(argv: list[str] | None = None) -> int:
                                args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes,
                                idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
         elif args.cmd == "status":
-            from nemo_dcr_callback.status import collect, render
+            from nemo_dcr_callback.tools.status import collect, render
             from nemo_dcr_callback.transport.store import open_store
             st = collect(open_store(args.store), last=max(args.last, 0), live_s=args.live_s)
             print(json.dumps(st, indent=2) if args.json else render(st))
         elif args.cmd == "gc":
-            from nemo_dcr_callback import commit
-            from nemo_dcr_callback.status import existing
+            from nemo_dcr_callback.protocol import commit
+            from nemo_dcr_callback.tools.status import existing
             from nemo_dcr_callback.transport.store import open_store
             keys = commit.gc(existing(open_store(args.store)), live_s=args.live_s, dry_run=args.dry_run)
             for k in keys:
                 print(("would delete " if args.dry_run else "deleted ") + k)
             print(f"nemo-dcr gc: {'would delete' if args.dry_run else 'deleted'} {len(keys)} objects")
         elif args.cmd == "demo" and args.files:
-            from nemo_dcr_callback.demo import run_demo
+            from nemo_dcr_callback.recipes.demo import run_demo
             return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)
         elif args.cmd == "demo":
-            from nemo_dcr_callback.demo import run_training_demo
+            from nemo_dcr_callback.recipes.demo import run_training_demo
             return run_training_demo(args.steps, args.tp, args.pp, args.workdir)
         elif args.cmd == "build-kernels":
-            from nemo_dcr_callback import kernels
+            from nemo_dcr_callback.core import kernels
             print(kernels.build(verbose=True))
             if args.cuda:
                 import subprocess
 
-                from nemo_dcr_callback import cuda_kernels
+                from nemo_dcr_callback.core import cuda_kernels
                 try:
                     print(cuda_kernels.build(verbose=True))
                 except (RuntimeError, subprocess.CalledProcessError) as exc:

@@ -23,7 +23,7 @@ jsons=()
 for i in "${!variants[@]}"; do
   v=${variants[$i]}
   t0=$(date +%s)
-  NEMO_DCR_CUDA_DEFINES="$v" $PY -m nemo_dcr_callback.bench_cuda --sizes-mib "$SIZES" --json "$tmp/$i.json" \
+  NEMO_DCR_CUDA_DEFINES="$v" $PY -m nemo_dcr_callback.bench.cuda --sizes-mib "$SIZES" --json "$tmp/$i.json" \
     >"$tmp/$i.log" 2>&1
   rc=$?
   echo "== variant $i (${v:-defaults}): exit $rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$tmp/$i.log")"
@@ -31,4 +31,4 @@ for i in "${!variants[@]}"; do
   [ -f "$tmp/$i.json" ] && jsons+=("$tmp/$i.json")
 done
 [ ${#jsons[@]} -gt 0 ] || { echo "cuda_tune: no variant produced results" >&2; exit 1; }
-$PY -m nemo_dcr_callback.bench_cuda --summarize "${jsons[@]}"
+$PY -m nemo_dcr_callback.bench.cuda --summarize "${jsons[@]}"

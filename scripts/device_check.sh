@@ -31,7 +31,7 @@ if [ "$cuda" != "True" ]; then
 fi
 
 echo "== build: CPU kernels (the reference's compiled path; the torch reference if this fails)"
-$PY -m nemo_dcr_callback.kernels || echo "   (no compiled CPU kernels: the pure-torch reference is used)"
+$PY -m nemo_dcr_callback.core.kernels || echo "   (no compiled CPU kernels: the pure-torch reference is used)"
 
 echo "== build: CUDA kernels ($(command -v nvcc || echo 'nvcc not on PATH'))"
 lib=$($PY -c 'from nemo_dcr_callback import cuda_kernels as c; print(c.library_path())')
@@ -39,12 +39,12 @@ if [ -f "$lib" ]; then
   echo "   prebuilt: $lib"
 else
   t0=$(date +%s)
-  $PY -m nemo_dcr_callback.cuda_kernels || { echo "device_check: nvcc build failed" >&2; exit 2; }
+  $PY -m nemo_dcr_callback.core.cuda_kernels || { echo "device_check: nvcc build failed" >&2; exit 2; }
   echo "   built in $(( $(date +%s) - t0 )) s: $lib"
 fi
 
-echo "== check and time (nemo_dcr_callback.bench_cuda $*)"
-$PY -m nemo_dcr_callback.bench_cuda "$@"
+echo "== check and time (nemo_dcr_callback.bench.cuda $*)"
+$PY -m nemo_dcr_callback.bench.cuda "$@"
 rc=$?
 echo "== device_check: exit $rc after $(( $(date +%s) - start )) s"
 exit $rc

@@ -1,59 +1,7 @@
 #!/usr/bin/env python
-"""Train a megatron-core GPT with Lightning and the DCR callback (a Hydra app).
+"""Thin wrapper: the training entry point is nemo_dcr_callback.recipes.train (Hydra app)."""
 
-One process per rank: `torchrun --nproc-per-node N scripts/train.py [overrides]`, or
-scripts/launch_torchrun.sh / scripts/train.sbatch. gloo on CPU, NCCL on GPU. Overrides, e.g.
-  parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2
-  model.num_layers=8 model.hidden_size=512 trainer.max_steps=20 optimizer.lr=1e-5
-  dcr.store=file:///shared/dcr dcr.verify=true hydra.run.dir=runs/exp1
-"""
-
-from __future__ import annotations
-
-import os
-import warnings
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-
-@hydra.main(config_path="../configs", config_name="train_gpt", version_base=None)
-def main(cfg: DictConfig) -> None:
-    warnings.filterwarnings("ignore", module="megatron")
-    import lightning.pytorch as L
-    import torch
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.strategies import SingleDeviceStrategy
-
-    from nemo_dcr_callback.lightning_gpt import MegatronGPTModule
-    from nemo_dcr_callback.megatron_model import TinyGPTConfig
-
-    run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    module = MegatronGPTModule(
-        TinyGPTConfig(**OmegaConf.to_container(cfg.model)),
-        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-        distributed_optimizer=cfg.parallel.distributed_optimizer, lr=cfg.optimizer.lr,
-        micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed)
-    callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
-    trainer_cls = L.Trainer
-    if cfg.trainer.get("cls", "lightning") == "nemo":  # NeMo 2's trainer (pip install nemo-dcr-callback[nemo])
-        from nemo import lightning as nl
-
-        trainer_cls = nl.Trainer
-    elif cfg.trainer.get("cls", "lightning") != "lightning":
-        raise SystemExit(f"trainer.cls must be lightning or nemo, not {cfg.trainer.cls!r}")
-    trainer = trainer_cls(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps,
-                        max_epochs=1, callbacks=callbacks, default_root_dir=run_dir,
-                        logger=CSVLogger(run_dir, name="logs") if int(os.environ.get("RANK", "0")) == 0 else False,
-                        enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__}", flush=True)
-    trainer.fit(module)
-
+from nemo_dcr_callback.recipes.train import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """The overhead bench's statistics (the runs themselves are `nemo-dcr bench overhead`)."""
 
-from nemo_dcr_callback.bench_overhead import _blocks, _bootstrap
+from nemo_dcr_callback.bench.overhead import _blocks, _bootstrap
 
 
 def test_blocks_pair_each_off_block_with_the_on_block_after_it():
@@ -30,7 +30,7 @@ def test_bootstrap_interval_holds_the_true_overhead_and_narrows_with_data():
 def test_alternate_refuses_blocks_and_runs_too_short_before_training():
     import pytest
 
-    from nemo_dcr_callback.bench_overhead import run
+    from nemo_dcr_callback.bench.overhead import run
 
     for kw, msg in (({"alternate": 2}, "at least 3 steps"), ({"alternate": -1}, "block length"),
                     ({"alternate": 6, "steps": 12}, "at least 18 steps")):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from nemo_dcr_callback import bench_receive
+from nemo_dcr_callback.bench import receive as bench_receive
 
 
 def test_every_receiver_kind_ends_bit_exact_with_its_digests_checked(tmp_path):

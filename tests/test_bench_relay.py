@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_dcr_callback.bench_relay import _merge_rounds
+from nemo_dcr_callback.bench.relay import _merge_rounds
 
 
 def _result(name: str, lasts: list[float], link: float, exact: bool = True) -> dict:

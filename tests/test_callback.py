@@ -9,8 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from nemo_dcr_callback.launch import torchrun_cmd
-from nemo_dcr_callback.megatron_cpu import BF16_GEMM_ENV
+from nemo_dcr_callback.testing.launch import torchrun_cmd
+from nemo_dcr_callback.testing.megatron_cpu import BF16_GEMM_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 

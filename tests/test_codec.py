@@ -12,9 +12,11 @@ from conftest import FLOAT_DTYPES, perturb, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr_callback import codec, delta, streams
-from nemo_dcr_callback.codec import ChunkError, GapMode, Kind, Layout, ValueMode
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import ChunkError, GapMode, Kind, Layout, ValueMode, streams
+from nemo_dcr_callback.core import bitops
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.sender import delta
 
 SHAPES = [(), (1,), (5,), (63,), (130, 7), (1000,), (3, 0)]
 RATES = [0.0, "one", 0.01, 0.5, 1.0]
@@ -74,7 +76,7 @@ def test_every_forced_coding(vm, layout, gm, dtype, rate):
 
 def test_reference_and_compiled_interoperate(monkeypatch):
     """Chunks written by one implementation decode with the other, to the same bits."""
-    from nemo_dcr_callback import kernels
+    from nemo_dcr_callback.core import kernels
     old, new = _pair((5000,), torch.bfloat16, 0.05, 5)
     nat_chunks, nat_out = _round_trip(old, new, span=2048)
     native = kernels.native
@@ -100,7 +102,8 @@ def test_fused_encoder_matches_the_generic_path(dtype, rate, seed, pos64, specia
     chunk the stream-by-stream path writes, byte for byte, and the digest terms it adds are
     update_xor's; the chunk decodes to the new bits. Rates cover GAP16 and both-gap-mode
     chunks (sparse) and many escapes (the fused call hands the values back)."""
-    from nemo_dcr_callback import digest, kernels
+    from nemo_dcr_callback.codec import digest
+    from nemo_dcr_callback.core import kernels
 
     if kernels.native() is None:
         pytest.skip("compiled library unavailable")
@@ -127,7 +130,7 @@ def test_fused_encoder_vector_and_scalar_paths_agree(monkeypatch, dtype, pos64):
     the portable loop write the same chunk and digest terms: dense and sparse changes, gaps
     of 255 and more inside a block of 16 (the block's scalar fallback), escapes, counts that
     are not a multiple of 16, NaN/Inf/-0.0."""
-    from nemo_dcr_callback import kernels
+    from nemo_dcr_callback.core import kernels
 
     if kernels.native() is None:
         pytest.skip("compiled library unavailable")
@@ -210,7 +213,7 @@ def test_rans_compiled_matches_python(n, k, seed):
 def test_ulp_compiled_matches_reference(dtype):
     old, new = _pair((9000,), dtype, 0.3, 2)
     d = delta.take_delta(new, old.clone(), keep_new=True)
-    assert torch.equal(streams.ulp_encode(d.xor, d.new), delta.ulp_diff_reference(d.new ^ d.xor, d.new))
+    assert torch.equal(streams.ulp_encode(d.xor, d.new), bitops.ulp_diff_reference(d.new ^ d.xor, d.new))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int8])
@@ -231,7 +234,7 @@ def test_overwrite_chunks_are_idempotent(dtype):
 
 
 def test_ulp_coding_is_smaller_on_adam_like_deltas():
-    from nemo_dcr_callback import synthetic
+    from nemo_dcr_callback.testing import synthetic
     pol = synthetic.make_policy(1 << 20, seed=1)
     lr = pol.lr_for_rate(0.03)
     k = next(n for n in pol.master if "mlp" in n)
@@ -383,7 +386,7 @@ def test_gap8_decoder_equals_the_numpy_reference(idt, rate):
     streams with escapes (gaps of 255 and more, some exact multiples) and positions that run
     up to the last element of the range; then the same stream cut short or with a gap too
     many is refused by both."""
-    from nemo_dcr_callback.streams import StreamError, _decode_gaps_py, decode_gaps, encode_gaps
+    from nemo_dcr_callback.codec.streams import StreamError, _decode_gaps_py, decode_gaps, encode_gaps
 
     g = torch.Generator().manual_seed(int(rate * 1000))
     lo, span = 1000, 200_000

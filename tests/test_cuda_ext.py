@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import FLOAT_DTYPES, perturb, random_tensor
 
-from nemo_dcr_callback import cuda_kernels, delta, kernels
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.core import bitops, cuda_kernels, kernels
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.sender import delta
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA_DIR = REPO / "cuda_ext" / "cuda"
@@ -168,20 +169,20 @@ def test_emulated_realistic_bf16_and_undo(emu):
     rate = (bits(old) != bits(new)).float().mean().item()
     assert 0.01 < rate < 0.06
     d, base = _emu_delta(emu, old, new, offset=2)
-    cuda_kernels.scatter_with(emu, base, d.positions, d.xor, delta.OP_XOR)  # the undo log
+    cuda_kernels.scatter_with(emu, base, d.positions, d.xor, bitops.OP_XOR)  # the undo log
     assert torch.equal(bits(base), bits(old))
 
 
-def _ulp_values(d: delta.SparseDelta, old: torch.Tensor) -> torch.Tensor:
+def _ulp_values(d: bitops.SparseDelta, old: torch.Tensor) -> torch.Tensor:
     if d.xor.element_size() == 8:  # the torch ulp reference covers widths 2 and 4
         out = torch.empty_like(d.xor)
         assert kernels.native().dcr_ulp_encode(d.xor.data_ptr(), d.new.data_ptr(), d.count, 8, out.data_ptr()) == 0
         return out
-    return delta.ulp_diff_reference(bits(old).reshape(-1)[d.positions.long()], d.new)
+    return bitops.ulp_diff_reference(bits(old).reshape(-1)[d.positions.long()], d.new)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", [delta.OP_XOR, delta.OP_OVERWRITE, delta.OP_ULP])
+@pytest.mark.parametrize("op", [bitops.OP_XOR, bitops.OP_OVERWRITE, bitops.OP_ULP])
 @pytest.mark.parametrize("pos64", [False, True])
 def test_emulated_scatter_equals_reference(emu, dtype, op, pos64):
     g = torch.Generator().manual_seed(op * 10 + int(pos64))
@@ -190,15 +191,15 @@ def test_emulated_scatter_equals_reference(emu, dtype, op, pos64):
     d = delta.take_delta(new, old.clone(), keep_new=True)
     pos = d.positions.to(torch.int64) if pos64 else d.positions
     target = old.clone()
-    if op == delta.OP_ULP and dtype.itemsize == 1:
+    if op == bitops.OP_ULP and dtype.itemsize == 1:
         with pytest.raises(ValueError, match="does not apply"):
             cuda_kernels.scatter_with(emu, target, pos, d.xor, op)
         assert torch.equal(bits(target), bits(old))
         return
-    vals = {delta.OP_XOR: d.xor, delta.OP_OVERWRITE: d.new}.get(op)
+    vals = {bitops.OP_XOR: d.xor, bitops.OP_OVERWRITE: d.new}.get(op)
     vals = _ulp_values(d, old) if vals is None else vals
     want = old.clone()
-    delta.scatter(want, pos, vals, op)  # the compiled CPU kernel
+    bitops.scatter(want, pos, vals, op)  # the compiled CPU kernel
     cuda_kernels.scatter_with(emu, target, pos, vals, op)
     assert torch.equal(bits(target), bits(want))
     assert torch.equal(bits(target), bits(new))
@@ -210,9 +211,9 @@ def test_emulated_scatter_refuses_and_writes_nothing(emu, positions, idx):
     t = torch.arange(100, dtype=torch.float32)
     before = t.clone()
     with pytest.raises(ValueError, match="refused"):
-        cuda_kernels.scatter_with(emu, t, torch.tensor(positions, dtype=idx), torch.ones(2), delta.OP_XOR)
+        cuda_kernels.scatter_with(emu, t, torch.tensor(positions, dtype=idx), torch.ones(2), bitops.OP_XOR)
     assert torch.equal(bits(t), bits(before))
-    cuda_kernels.scatter_with(emu, t, torch.empty(0, dtype=idx), torch.empty(0), delta.OP_XOR)
+    cuda_kernels.scatter_with(emu, t, torch.empty(0, dtype=idx), torch.empty(0), bitops.OP_XOR)
     assert torch.equal(bits(t), bits(before))
 
 
@@ -258,7 +259,7 @@ def test_cuda_entry_points_refuse_host_tensors():
 @pytest.mark.parametrize("bad", ["cpu", "GPU", "", "host"])
 def test_baseline_option_is_validated(bad):
     from nemo_dcr_callback import DCRCallback
-    from nemo_dcr_callback.sender import TensorSender
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
 
     with pytest.raises(ValueError, match="baseline must be one of gpu, pinned"):
         DCRCallback(baseline=bad)
@@ -270,7 +271,7 @@ def test_baseline_option_is_validated(bad):
 
 def test_baseline_option_leaves_cpu_senders_alone():
     """CPU tensors: the option changes nothing (plain host baselines, the CPU kernel)."""
-    from nemo_dcr_callback.sender import TensorSender
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
 
     g = torch.Generator().manual_seed(2)
     w = random_tensor((1000,), torch.bfloat16, g)
@@ -289,7 +290,7 @@ def test_yaml_documents_every_option():
 
     import yaml
 
-    from nemo_dcr_callback.callback import DCRConfig
+    from nemo_dcr_callback.sender.callback import DCRConfig
 
     doc = yaml.safe_load((REPO / "configs" / "dcr.yaml").read_text())["dcr"]
     assert doc["baseline"] == "gpu"
@@ -330,7 +331,7 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device (scripts/device_ch
 @pytest.mark.parametrize("n", [0, 1, 31, 8193, 1_000_003])
 @pytest.mark.parametrize("rate", [0.0, 0.03, 1.0])
 def test_gpu_delta_equals_reference(dtype, n, rate):
-    from nemo_dcr_callback import bench_cuda
+    from nemo_dcr_callback.bench import cuda as bench_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(n + int(rate * 100))
     old, new = bench_cuda.random_pair(n, dtype, rate, gen)
@@ -344,7 +345,7 @@ def test_gpu_delta_equals_reference(dtype, n, rate):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", [0, 1, 2])
 def test_gpu_scatter_equals_reference(dtype, op):
-    from nemo_dcr_callback import bench_cuda
+    from nemo_dcr_callback.bench import cuda as bench_cuda
 
     if op == 2 and dtype.itemsize == 1:
         pytest.skip("no ulp op on bytes")
@@ -355,7 +356,7 @@ def test_gpu_scatter_equals_reference(dtype, op):
 
 @gpu
 def test_gpu_refusals_and_side_stream():
-    from nemo_dcr_callback import bench_cuda
+    from nemo_dcr_callback.bench import cuda as bench_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     bench_cuda.check_refusals(gen)
@@ -366,7 +367,7 @@ def test_gpu_refusals_and_side_stream():
 @pytest.mark.parametrize("baseline", ["gpu", "pinned"])
 def test_gpu_tensor_sender_matches_cpu(baseline):
     """TensorSender on CUDA tensors: pinned host deltas, the same as on CPU copies."""
-    from nemo_dcr_callback.sender import TensorSender
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
 
     g = torch.Generator().manual_seed(4)
     w = random_tensor((100_003,), torch.bfloat16, g)
@@ -405,7 +406,7 @@ def test_tune_summary_table(tmp_path, capsys):
     """scripts/cuda_tune.sh's last step: one row per variant, checks and % of the copy."""
     import json
 
-    from nemo_dcr_callback import bench_cuda
+    from nemo_dcr_callback.bench import cuda as bench_cuda
 
     row = {"mib": 1024, "rate": 0.03, "changed": 1, "baseline": "gpu", "copy_gbps": 2000.0, "xor_gbps": 1400.0,
            "delta_gbps": 900.0, "delta_new_gbps": 850.0, "apply_gbps": 2000.0, "delta_vs_copy": 0.45,

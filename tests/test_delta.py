@@ -8,8 +8,9 @@ from conftest import FLOAT_DTYPES, perturb, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr_callback import delta
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.core import bitops
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.sender import delta
 
 SHAPES = [(), (1,), (7,), (31,), (33, 3), (1, 1, 1), (257, 5), (2, 0)]
 RATES = [0.0, "one", 0.01, 0.5, 1.0]
@@ -113,7 +114,7 @@ def test_scatter_refuses_bad_positions_and_writes_nothing(bad):
     t = torch.zeros(10, dtype=torch.bfloat16)
     before = bits(t).clone()
     with pytest.raises(ValueError):
-        delta.scatter(t, torch.tensor(bad, dtype=torch.int32), torch.ones(2, dtype=torch.int16), delta.OP_XOR)
+        bitops.scatter(t, torch.tensor(bad, dtype=torch.int32), torch.ones(2, dtype=torch.int16), bitops.OP_XOR)
     assert torch.equal(bits(t), before)
 
 
@@ -130,13 +131,13 @@ def test_ulp_reference_round_trip(seed, dtype):
     """ulp_add(old, ulp_diff(old, new)) == new for arbitrary bit patterns (NaN, Inf, -0, subnormals)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.empty(0, dtype=dtype).element_size()
-    bd = delta.BITS_DTYPE[w]
+    bd = bitops.BITS_DTYPE[w]
     lo, hi = -(1 << (8 * w - 1)), (1 << (8 * w - 1))
     old = torch.randint(lo, hi, (512,), generator=g, dtype=torch.int64).to(bd)
     new = torch.randint(lo, hi, (512,), generator=g, dtype=torch.int64).to(bd)
     new[:256] = old[:256] + torch.randint(-3, 4, (256,), generator=g).to(bd)  # near neighbours
-    z = delta.ulp_diff_reference(old, new)
-    assert torch.equal(delta.ulp_add_reference(old, z), new)
+    z = bitops.ulp_diff_reference(old, new)
+    assert torch.equal(bitops.ulp_add_reference(old, z), new)
 
 
 @given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOAT_DTYPES))
@@ -147,18 +148,18 @@ def test_ulp_negate_takes_an_ulp_apply_back(seed, dtype):
     receiver's undo log relies on it instead of keeping the old values."""
     g = torch.Generator().manual_seed(seed)
     w = torch.empty(0, dtype=dtype).element_size()
-    bd = delta.BITS_DTYPE[w]
+    bd = bitops.BITS_DTYPE[w]
     lo, hi = -(1 << (8 * w - 1)), (1 << (8 * w - 1))
     target = torch.randint(lo, hi, (2048,), generator=g, dtype=torch.int64).to(bd).view(dtype)
     before = bits(target).clone()
     pos = torch.randperm(2048, generator=g)[:700].sort().values.to(torch.int32)
     z = torch.randint(lo, hi, (700,), generator=g, dtype=torch.int64).to(bd)
     z[:4] = torch.tensor([0, -1, lo, hi - 1]).to(bd)  # 0, the largest |d|, -2^(w-1), 2^(w-1)-1 as zig-zag bits
-    delta.scatter(target, pos, z, delta.OP_ULP)
+    bitops.scatter(target, pos, z, bitops.OP_ULP)
     assert not torch.equal(bits(target), before)
-    neg = delta.ulp_negate(z)
-    assert torch.equal(delta.ulp_negate(neg), z)
-    delta.scatter(target, pos, neg, delta.OP_ULP)
+    neg = bitops.ulp_negate(z)
+    assert torch.equal(bitops.ulp_negate(neg), z)
+    bitops.scatter(target, pos, neg, bitops.OP_ULP)
     assert torch.equal(bits(target), before)
 
 

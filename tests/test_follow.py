@@ -13,10 +13,11 @@ import pytest
 import torch
 from conftest import TimedListings, perturb, race, random_tensor
 
-from nemo_dcr_callback import codec, commit
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
-from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
 
 
@@ -165,7 +166,7 @@ def test_wrong_baseline_detected_by_digest(tmp_path):
 def test_record_digests_are_whole_tensor_digests(tmp_path):
     """The per-rank slice digests sum to the digest of each whole tensor (the oracle: the
     digest computed from the new tensors directly)."""
-    from nemo_dcr_callback import digest
+    from nemo_dcr_callback.codec import digest
 
     store = FileStore(tmp_path)
     states = _chain(store, steps=2)
@@ -434,7 +435,7 @@ def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_
     still found, at most a pause after it is written."""
     import time
 
-    from nemo_dcr_callback.publisher import DECISION_MAX_POLL_S, DECISION_POLL_S
+    from nemo_dcr_callback.sender.publisher import DECISION_MAX_POLL_S, DECISION_POLL_S
 
     class Reads:  # the real store, its reads of the decision counted
         def __init__(self, store):

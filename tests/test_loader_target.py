@@ -9,10 +9,13 @@ import pytest
 import torch
 from conftest import perturb, random_tensor
 
-from nemo_dcr_callback import codec, commit, delta, digest
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower, fetch_version
 from nemo_dcr_callback.receiver.targets import LoaderTarget
+from nemo_dcr_callback.sender import delta
 from nemo_dcr_callback.transport.store import FileStore
 
 H, Q, KV, F = 32, 32, 16, 48

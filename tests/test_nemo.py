@@ -16,7 +16,7 @@ import pytest
 
 nl = pytest.importorskip("nemo.lightning", reason="needs the [nemo] extra: make test-nemo")
 
-from nemo_dcr_callback.launch import torchrun_cmd  # noqa: E402
+from nemo_dcr_callback.testing.launch import torchrun_cmd  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

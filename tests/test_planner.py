@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_dcr_callback import planner
 from nemo_dcr_callback.cli import main
+from nemo_dcr_callback.tools import planner
 
 
 def test_predictions_against_measured_refits():

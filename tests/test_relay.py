@@ -17,10 +17,10 @@ import torch
 import urllib3
 from conftest import TimedListings, perturb, random_tensor
 
-from nemo_dcr_callback import commit
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
-from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
 from nemo_dcr_callback.transport.topology import Topology

@@ -14,11 +14,12 @@ import pytest
 import torch
 from conftest import perturb, race, random_tensor
 
-from nemo_dcr_callback import codec, commit
-from nemo_dcr_callback.delta import OP_ULP, OP_XOR, bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.core.bitops import OP_ULP, OP_XOR, bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.follow import latest_keyframe
-from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.s3 import S3Store
 from nemo_dcr_callback.transport.store import StoreError
 
@@ -349,7 +350,7 @@ def test_gc_removes_what_nobody_needs(store):
     commit.write_keyframe(store, 3, states[3])
     _write(store, 4, 3, states[3], states[4])  # sealed but aborted
     commit.decide(store, 4, 3, "abort", [], [], "test")
-    from nemo_dcr_callback.status import collect  # `nemo-dcr status` reads the same from S3
+    from nemo_dcr_callback.tools.status import collect  # `nemo-dcr status` reads the same from S3
 
     st = collect(store)
     assert [r["state"] for r in st["rows"]] == ["commit", "commit", "commit", "abort"]  # versions 1-4
@@ -370,7 +371,7 @@ def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path, worke
     version 0 bit for bit; then a live receiver acks versions 2 and 3, which commit (2 on
     base 0), and it ends bit-exact with the dense export. With the worker as a process (the
     default: deltas through shared memory) and as a thread (the deltas handed over as they are)."""
-    from nemo_dcr_callback.launch import torchrun_cmd
+    from nemo_dcr_callback.testing.launch import torchrun_cmd
 
     env = {**os.environ, **seaweed.env()}
     url = seaweed.url(f"{seaweed.bucket}/training-abort-{worker}")

@@ -8,9 +8,9 @@ import json
 
 from test_follow import _chain, _model
 
-from nemo_dcr_callback import commit
 from nemo_dcr_callback.cli import main
-from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.store import FileStore
 
 

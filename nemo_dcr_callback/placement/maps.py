@@ -96,7 +96,7 @@ class Placement:
         """Sorted local flat positions (positions + add; int32 or int64) -> canonical positions
         per tensor (sorted, int64), with the slices of the input that went to each (so values
         follow with the same slices). The compiled map runs when the library is there."""
-        from nemo_dcr_callback import kernels
+        from nemo_dcr_callback.core import kernels
 
         lib = kernels.native()
         out: dict[int, Projected] = {}

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from nemo_dcr_callback import codec, commit, digest
-from nemo_dcr_callback.delta import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.core.bitops import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.transport.store import StoreError, backoff, wait_news
 
 # The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).

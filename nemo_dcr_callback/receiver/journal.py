@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback import codec, digest
-from nemo_dcr_callback.delta import OP_OVERWRITE, bits, scatter
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.core.bitops import OP_OVERWRITE, bits, scatter
 
 Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (sorted), new bits
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback import codec, commit
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 

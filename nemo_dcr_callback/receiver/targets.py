@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.delta import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_add_reference
+from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_add_reference
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
@@ -68,7 +68,7 @@ class StateDictTarget:
     def apply_with_terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, tuple[int, int]]:
         """apply() fused with the digest check: per tensor, the digest terms of the touched
         elements before and after (read from the tensors themselves in the same pass)."""
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         def one(d: codec.DecodedChunk) -> tuple[int, int]:
             return digest.scatter_terms(self.tensors[d.header.name].view(-1), d.positions, d.values, d.op)
@@ -241,7 +241,7 @@ class _Combine(TorchDispatchMode):
 
     def _sparse(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The changes in src's range of the scratch, scattered into dst at the same offsets."""
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         off, n = src.storage_offset() - sc.buf.storage_offset(), src.numel()
         flat = dst.view(-1)
@@ -361,7 +361,7 @@ class LoaderTarget:
     def digest_of(self, name: str) -> int | None:
         """The digest of the canonical tensor as the model holds it, or None if the model does
         not hold all of it (then it is not checked)."""
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         segs = self._segments.get(name)
         if segs is not None:
@@ -388,7 +388,7 @@ class LoaderTarget:
         elements in canonical positions: from the sparse copies themselves where the tensor is
         held in contiguous segments, else read densely (canonical()) before and after. Tensors
         the model does not hold whole get none (the follower does not check them)."""
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         names = {d.header.name for d in decoded} & self._whole
         dense = {n: self.canonical(n) for n in names if self._segments[n] is None or not self.sparse}
@@ -452,7 +452,7 @@ class CheckpointDirTarget:
         import mmap
         from pathlib import Path
 
-        from nemo_dcr_callback.checkpoint import Checkpoint
+        from nemo_dcr_callback.tools.checkpoint import Checkpoint
 
         self.path = Path(path)
         if not self.path.is_dir():
@@ -539,7 +539,7 @@ class CheckpointDirTarget:
         """Write the records' bits into the files (idempotent) and flush them to disk."""
         import os
 
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         out: dict[str, tuple[int, int]] = {}
         for name, pos, new in records:
@@ -559,7 +559,7 @@ class CheckpointDirTarget:
         are written through the map."""
         import os
 
-        from nemo_dcr_callback import digest
+        from nemo_dcr_callback.codec import digest
 
         flat = self.flat(name)
         lo, hi = (int(pos[0]), int(pos[-1]) + 1) if pos.numel() else (0, 0)

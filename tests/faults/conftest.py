@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr_callback.results import machine
+from nemo_dcr_callback.bench.results import machine
 
 ROWS: list[dict] = []
 

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_dcr_callback import codec, commit
-from nemo_dcr_callback.delta import bits
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
-from nemo_dcr_callback.sender import TensorSender
+from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.store import StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -413,7 +414,7 @@ def test_sender_rank_killed_mid_upload_then_restarted_from_checkpoint(seaweed, t
     without reloading anything."""
     from safetensors.torch import load
 
-    from nemo_dcr_callback.launch import torchrun_cmd
+    from nemo_dcr_callback.testing.launch import torchrun_cmd
 
     prefix = "sender-restart"
     url = seaweed.url(f"{seaweed.bucket}/{prefix}")

@@ -21,7 +21,7 @@ def main() -> int:
     ap.add_argument("--tie", action="store_true")
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args()
-    from nemo_dcr_callback import megatron_cpu
+    from nemo_dcr_callback.testing import megatron_cpu
 
     megatron_cpu.enable()
     import datetime
@@ -31,8 +31,8 @@ def main() -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ps.initialize_model_parallel(a.tp, a.pp)
-    from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, hf_config
     from nemo_dcr_callback.placement import LLAMA, dense_export
+    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig, build_model, hf_config
 
     cfg = TinyGPTConfig(params_dtype="float32", num_query_groups=a.groups, tie_word_embeddings=a.tie,
                         init_method_std=0.2)
@@ -85,6 +85,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from nemo_dcr_callback.megatron_cpu import exit_worker
+    from nemo_dcr_callback.testing.megatron_cpu import exit_worker
 
     exit_worker(main())

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--family", default="llama")
     a = ap.parse_args()
 
-    from nemo_dcr_callback import megatron_cpu
+    from nemo_dcr_callback.testing import megatron_cpu
 
     megatron_cpu.enable()
     import datetime
@@ -42,10 +42,16 @@ def main() -> int:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(a.tp, a.pp)
-    from nemo_dcr_callback.megatron_model import TinyGPTConfig, build_model, hf_config, train_step, wrap_for_training
     from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
     from nemo_dcr_callback.receiver.targets import apply_chunks
-    from nemo_dcr_callback.sender import ShardSender
+    from nemo_dcr_callback.sender.shard import ShardSender
+    from nemo_dcr_callback.testing.megatron_model import (
+        TinyGPTConfig,
+        build_model,
+        hf_config,
+        train_step,
+        wrap_for_training,
+    )
 
     rank = dist.get_rank()
     family = FAMILIES[a.family]
@@ -150,6 +156,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from nemo_dcr_callback.megatron_cpu import exit_worker
+    from nemo_dcr_callback.testing.megatron_cpu import exit_worker
 
     exit_worker(main())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr_callback import kernels
+from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.placement.families import FAMILIES
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
 
@@ -82,8 +82,8 @@ def test_compiled_slice_encoder_matches_the_python_path(seed):
     writes the chunks, digest terms and counts of Placement.project + encode_sparse, for
     dense and sparse slices (the sparse ones fall back to the Python path), int32 and int64
     positions, small spans (many chunks per tensor) and a data-parallel slice offset."""
-    from nemo_dcr_callback.delta import SparseDelta, bits
-    from nemo_dcr_callback.sender import ShardSender
+    from nemo_dcr_callback.core.bitops import SparseDelta, bits
+    from nemo_dcr_callback.sender.shard import ShardSender
 
     if kernels.native() is None:
         pytest.skip("compiled library unavailable")

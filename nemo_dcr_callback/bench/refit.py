@@ -1,0 +1,262 @@
+"""`nemo-dcr bench refit`: end-to-end refit over a shaped link, dense vs DCR, in one run.
+
+Sender and SeaweedFS (S3) in the root network namespace; the receiver in its own namespace,
+joined by a veth pair shaped with tc tbf (default 100 Mbit/s each way), so the link, not the
+delta computation, is the bottleneck, as between regions. A synthetic BF16 policy (default
+~0.5G params = 1 GB) takes Adam-like steps at 1, 3 and 5% change (--repeats versions each;
+the table and `rows` show each rate's median version, `versions` every one). For each step the DCR
+refit is timed from the end of the optimizer step (BF16 weights ready) to the receiver's
+verified apply (every chunk checked, joint commit, digests checked after applying); then the
+dense refit of the final weights (safetensors upload and download through the same store,
+loaded into the receiver's tensors) is timed the same way, and the receiver compares its
+DCR-built tensors with the dense download bit for bit (the oracle).
+
+Needs root (ip netns, tc). Writes benchmarks/results/refit.json with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_dcr_callback.bench.results import machine, write_json
+
+RATES = (0.01, 0.03, 0.05)
+
+
+def _sh(*cmd: str, check: bool = True) -> None:
+    subprocess.run(cmd, check=check, capture_output=True)
+
+
+class ShapedLink:
+    """A network namespace for the receiver, a veth pair to it, tbf on both ends."""
+
+    def __init__(self, mbit: float, subnet: str = "10.77.0", name: str = ""):
+        tag = f"{name}{os.getpid() % 100000}"
+        self.ns, self.a, self.b = f"dcr-rx-{tag}", f"dcrs{tag}", f"dcrr{tag}"
+        self.ip_a, self.ip_b, self.mbit = f"{subnet}.1", f"{subnet}.2", mbit
+
+    def __enter__(self) -> ShapedLink:
+        try:
+            _sh("ip", "netns", "add", self.ns)
+            _sh("ip", "link", "add", self.a, "type", "veth", "peer", "name", self.b)
+            _sh("ip", "link", "set", self.b, "netns", self.ns)
+            _sh("ip", "addr", "add", f"{self.ip_a}/24", "dev", self.a)
+            _sh("ip", "link", "set", self.a, "up")
+            _sh("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ip_b}/24", "dev", self.b)
+            _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", self.b, "up")
+            _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", self.ns, "ip", "route", "add", "default", "via", self.ip_a)
+            rate = f"{self.mbit}mbit"
+            burst = f"{max(32, int(self.mbit * 1e6 / 8 / 250 / 1024))}kb"  # ~4 ms of traffic
+            _sh("tc", "qdisc", "add", "dev", self.a, "root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
+            _sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.b, "root", "tbf", "rate", rate,
+                "burst", burst, "latency", "200ms")
+        except subprocess.CalledProcessError as e:
+            self.__exit__()
+            raise RuntimeError(f"cannot set up the shaped link (needs root, ip and tc): {e.cmd}: "
+                               f"{e.stderr.decode().strip()}") from None
+        return self
+
+    def tx_rx(self) -> tuple[int, int]:
+        """Bytes sent into and received from the namespace over this link so far."""
+        st = Path(f"/sys/class/net/{self.a}/statistics")
+        return int((st / "tx_bytes").read_text()), int((st / "rx_bytes").read_text())
+
+    def __exit__(self, *exc) -> None:
+        _sh("ip", "link", "del", self.a, check=False)
+        _sh("ip", "netns", "del", self.ns, check=False)
+
+
+class JsonProc:
+    """A child process printing JSON lines (a benchmark's receiver, a relay announcing its address),
+    read by a thread; its stderr goes to a log file that nobody has to drain."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path):
+        self.log = open(log, "w+")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for x in self.p.stdout:
+            if x.startswith("{"):
+                self.lines.put(json.loads(x))
+            elif "listening on" in x:
+                self.lines.put({"listening": x.split("listening on ")[1].split()[0]})
+
+    def next(self, timeout: float = 900.0) -> dict:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            self.log.seek(0)
+            raise RuntimeError(f"{self.p.args[:6]} stopped answering: {self.log.read()[-2000:]}") from None
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+
+# ------------------------------------------------------------------ receiver (in the namespace)
+def receiver_main(args: list[str]) -> int:
+    import argparse
+
+    from safetensors.torch import load, load_file
+
+    from nemo_dcr_callback.core.bitops import bits
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.receiver import Follower
+    from nemo_dcr_callback.receiver.follow import APPLY_MODES
+    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--init", required=True)
+    ap.add_argument("--versions", type=int, required=True)
+    ap.add_argument("--apply", choices=list(APPLY_MODES), default="sealed")
+    a = ap.parse_args(args)
+    torch.set_num_threads(2)
+    store = open_store(a.url)
+    tensors = {k: v.clone() for k, v in load_file(a.init).items()}
+    f = Follower(store, tensors, version=0, receiver_id="rollout-0", poll_s=0.005, idle_poll_s=0.005,
+                 early=APPLY_MODES[a.apply])  # polls S3 every 5 ms throughout: the figures are the transport's
+    freeze_long_lived()  # as `nemo-dcr receive` does
+
+    def out(d: dict) -> None:
+        print(json.dumps(d), flush=True)
+
+    model = {k: torch.empty_like(v) for k, v in tensors.items()}  # the dense path's model
+    out({"ready": True})
+    f.follow(until=a.versions, timeout=600, on_apply=lambda ap_: out({
+        "version": ap_.version, "t_applied": time.time(), "fetch_s": ap_.fetch_s, "apply_s": ap_.apply_s,
+        "wait_s": ap_.wait_s, "digest_checked": ap_.digest_checked, "bytes": ap_.bytes}))
+    while not store.exists("dense/READY.json"):
+        time.sleep(0.005)
+    blob = store.get("dense/model.safetensors")
+    dense = load(blob)
+    for k, t in dense.items():  # the dense refit's load into a model's tensors
+        model[k].copy_(t)
+    t_loaded = time.time()
+    mismatch = [k for k in dense if not torch.equal(bits(model[k]), bits(tensors[k]))]
+    out({"dense_t_loaded": t_loaded, "dense_bytes": len(blob), "bit_exact": not mismatch,
+         "mismatch": mismatch[:3]})
+    commit.register(store, "rollout-0", a.versions)
+    return 0
+
+
+# ------------------------------------------------------------------ sender (root namespace)
+def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int = 1 << 20,
+        json_path: str | None = None, seed: int = 0, apply: str = "sealed", repeats: int = 3) -> dict:
+    from safetensors.torch import save, save_file
+
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.testing import synthetic
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    t_start = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
+    print(f"nemo-dcr bench refit: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
+    policy = synthetic.make_policy(params, seed=seed)
+    cur = policy.bf16()
+    dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
+    lrs = [policy.lr_for_rate(r) for r in rates]
+    plan = [(rate, lr) for rate, lr in zip(rates, lrs, strict=True) for _ in range(repeats)]  # versions in order
+    work = Path(tempfile.mkdtemp(prefix="nemo-dcr-refit."))
+    init = work / "init.safetensors"
+    save_file(cur, str(init))
+    rows = []
+    with ShapedLink(mbit) as link, SeaweedS3(work / "s3", ip=link.ip_a) as s3:
+        store = s3.store("refit")
+        env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1"}
+        rx = JsonProc(["ip", "netns", "exec", link.ns, sys.executable, "-m", "nemo_dcr_callback.bench.refit",
+                       "receiver", "--url", s3.url(f"{s3.bucket}/refit"), "--init", str(init),
+                       "--versions", str(len(plan)), "--apply", apply], env, work / "receiver.log")
+        next_line = rx.next
+        next_line()  # receiver ready (registered, holding version 0)
+        sender = TensorSender(cur)
+        print(f"link {mbit:.0f} Mbit/s (tbf, veth between namespaces), model {dense_bytes / 1e9:.2f} GB BF16, "
+              f"S3 = SeaweedFS at {s3.endpoint}", flush=True)
+        for v, (rate, lr) in enumerate(plan, start=1):
+            policy.step(lr)
+            cur = policy.bf16()
+            t0 = time.time()  # end of the optimizer step: the BF16 weights are there
+            sender.tensors = cur
+            taken, m = sender.stream(store, v, v - 1, part_bytes=part_bytes)  # kernel + encode + upload
+            t_built = time.time()
+            rec = commit.seal_version(store, v, v - 1, 1)
+            d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
+            if d["decision"] != "commit":
+                raise RuntimeError(f"version {v} not committed: {d['reason']}")
+            sender.commit()
+            got = next_line()
+            e2e = got["t_applied"] - t0
+            changed = sum(dd.count for _, dd in taken)
+            rows.append({"version": v, "target_rate": rate, "change_rate": changed / policy.numel,
+                         "delta_bytes": m["bytes"], "codec_ratio": dense_bytes / max(m["bytes"], 1),
+                         "construct_s": t_built - t0, "e2e_s": e2e,
+                         "receiver_fetch_s": got["fetch_s"], "receiver_apply_s": got["apply_s"],
+                         "commit_wait_s": got["wait_s"], "digest_checked": got["digest_checked"]})
+            print(f"  DCR {100 * rate:.0f}%: {m['bytes'] / 1e6:.1f} MB, built in {t_built - t0:.2f} s, "
+                  f"applied+verified at the receiver {e2e:.2f} s after the step", flush=True)
+        # dense refit of the final weights through the same store
+        print("  dense refit (upload + download of the full checkpoint) ...", flush=True)
+        t0 = time.time()
+        store.put("dense/model.safetensors", save(cur))
+        t_up = time.time()
+        store.put("dense/READY.json", b"{}")
+        got = next_line()
+        dense_s = got["dense_t_loaded"] - t0
+        rx.p.wait(60)
+    link_bps = mbit * 1e6 / 8
+    versions = rows
+    for r in versions:
+        transfer = r["delta_bytes"] / (got["dense_bytes"] / (dense_s - (t_up - t0)))
+        r.update({"dense_s": dense_s, "speedup": dense_s / r["e2e_s"],
+                  "realized": dense_s / r["e2e_s"] / r["codec_ratio"], "transfer_s": transfer,
+                  "overlap": r["e2e_s"] / max(r["construct_s"], transfer),
+                  "target_speedup": {0.01: 100, 0.03: 45, 0.05: 30}.get(r["target_rate"])})
+    rows = []  # per change rate: the median version (by refit time) of its repeats, and every time
+    for rate in rates:
+        rs = sorted((r for r in versions if r["target_rate"] == rate), key=lambda r: r["e2e_s"])
+        rows.append({**rs[(len(rs) - 1) // 2], "repeats": len(rs), "e2e_s_all": [r["e2e_s"] for r in rs]})
+    res = {"benchmark": "refit", "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
+           "link_bytes_per_s": link_bps, "dense_s": dense_s, "dense_upload_s": t_up - t0,
+           "dense_bit_exact_with_dcr": got["bit_exact"], "part_bytes": part_bytes, "apply": apply,
+           "repeats": repeats, "rows": rows, "versions": versions,
+           "machine": machine(), "wall_s": time.time() - t_start}
+    print(f"\nmedian of {repeats} version(s) per change rate (receiver apply: {apply})")
+    print(f"{'change':>7} {'delta MB':>9} {'codec':>7} {'DCR s':>7} {'dense s':>8} {'speed-up':>9} "
+          f"{'target':>7} {'realized':>9} {'overlap':>8}")
+    for r in rows:
+        print(f"{100 * r['change_rate']:6.2f}% {r['delta_bytes'] / 1e6:9.2f} {r['codec_ratio']:6.1f}x "
+              f"{r['e2e_s']:7.2f} {r['dense_s']:8.1f} {r['speedup']:8.1f}x {r['target_speedup']:6}x "
+              f"{100 * r['realized']:8.0f}% {r['overlap']:8.2f}")
+    print(f"receiver's DCR-built weights bit-exact with the dense download: {got['bit_exact']}; "
+          f"{dense_bytes / 1e9:.2f} GB over {mbit:.0f} Mbit/s")
+    shutil.rmtree(work, ignore_errors=True)  # a GB or more of checkpoints and store data per run
+    if json_path:
+        write_json(json_path, res)
+    if not got["bit_exact"]:
+        raise RuntimeError(f"receiver differs from the dense refit in {got['mismatch']}")
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "receiver":
+        sys.exit(receiver_main(sys.argv[2:]))
+    run()

@@ -1,0 +1,153 @@
+"""Bit-level helpers every stage shares: raw-bit views of any 1-8 byte dtype, the sparse
+delta record, the apply ops (XOR, overwrite, ulp) and their pure-torch references.
+
+A leaf: it imports only the compiled kernels' binding (core.kernels), so the codec, the
+placement and the receiver use it without pulling in the sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nemo_dcr_callback.core import kernels
+
+BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT32_LIMIT = 2**31 - 1
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of a contiguous tensor's raw bits (int16 for bf16/fp16, int32 for fp32...)."""
+    if not t.is_contiguous():
+        raise ValueError("delta kernels need contiguous tensors")
+    flat = t.reshape(-1)
+    return flat.view(BITS_DTYPE[t.element_size()])
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 positions where they fit (half the undo-log memory), int64 beyond."""
+    return torch.int32 if numel <= INT32_LIMIT else torch.int64
+
+
+@dataclass
+class SparseDelta:
+    """Changed positions (sorted, flat) and XOR values (raw bits) of one tensor."""
+
+    positions: torch.Tensor  # int32 / int64, strictly increasing
+    xor: torch.Tensor  # bit dtype of the tensor's element size
+    numel: int
+    dtype: torch.dtype
+    new: torch.Tensor | None = None  # new bits at the positions (for the encoder; not undo)
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.numel())
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.numel if self.numel else 0.0
+
+
+OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
+
+
+def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:
+    """target[positions] (^=, =, ulp+=) values, in place. Positions are validated first.
+    A CUDA target goes to the CUDA kernel (positions and values may be on the host)."""
+    if target.is_cuda:
+        from nemo_dcr_callback.core import cuda_kernels
+
+        return cuda_kernels.scatter_cuda(target, positions, values, op)
+    if positions.is_cuda or values.is_cuda:  # a host target (a pinned baseline), deltas on a GPU
+        positions, values = positions.cpu(), values.cpu()
+    t = bits(target)
+    values = values.contiguous().view(t.dtype) if values.dtype != t.dtype else values.contiguous()
+    lib = kernels.native()
+    if lib is not None and positions.dtype in (torch.int32, torch.int64):
+        positions = positions.contiguous()
+        rc = lib.dcr_scatter(t.data_ptr(), t.numel(), t.element_size(), positions.data_ptr(),
+                             int(positions.dtype == torch.int64), values.data_ptr(),
+                             positions.numel(), op)
+        if rc < 0:
+            raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
+        return
+    scatter_reference(t, positions, values, op)
+
+
+def ulp_negate(values: torch.Tensor) -> torch.Tensor:
+    """Zig-zag ulp differences -> their negations: scatter(OP_ULP) with these takes back
+    scatter(OP_ULP) with `values` bit for bit (the ulp key is a bijection and the sum wraps),
+    so an undo log needs no copy of the old values."""
+    z = bits(values.contiguous()).numpy()  # signed ints of the value width
+    u = z.view(f"u{z.itemsize}")
+    d = (u >> 1).astype(z.dtype) ^ -(u & 1).astype(z.dtype)  # un-zig-zag
+    nd = -d  # wraps at the width, like the apply's sum
+    return torch.from_numpy((nd << 1) ^ (nd >> (8 * z.itemsize - 1))).view(values.dtype)
+
+
+def scatter_reference(t: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:
+    pos = positions.to(torch.int64)
+    if pos.numel():
+        if (pos[1:] <= pos[:-1]).any() or int(pos[0]) < 0 or int(pos[-1]) >= t.numel():
+            raise ValueError("scatter refused: positions out of range or unsorted")
+    if op == OP_XOR:
+        t[pos] ^= values
+    elif op == OP_OVERWRITE:
+        t[pos] = values
+    elif op == OP_ULP:
+        t[pos] = ulp_add_reference(t[pos], values)
+    else:
+        raise ValueError(f"unknown op {op}")
+
+
+# ------------------------------------------------------------------ ulp reference
+# A monotone map from bit patterns to unsigned order: key(b) = b | sign if b >= 0 else ~b.
+# Done in int64 arithmetic on the unsigned value so every width works the same way.
+
+def _unsigned(x: torch.Tensor, w: int) -> torch.Tensor:
+    return x.to(torch.int64) & ((1 << (8 * w)) - 1) if w < 8 else x
+
+
+def ulp_key_reference(b: torch.Tensor) -> torch.Tensor:
+    w = b.element_size()
+    if w == 8:
+        raise NotImplementedError("the reference ulp map covers widths 2 and 4")
+    u = _unsigned(b, w)
+    sign = 1 << (8 * w - 1)
+    mask = (1 << (8 * w)) - 1
+    return torch.where(u & sign != 0, (~u) & mask, u | sign)
+
+
+def ulp_unkey_reference(k: torch.Tensor, w: int) -> torch.Tensor:
+    sign = 1 << (8 * w - 1)
+    mask = (1 << (8 * w)) - 1
+    return torch.where(k & sign != 0, k & (sign - 1), (~k) & mask)
+
+
+def ulp_diff_reference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Zig-zag coded (key(new) - key(old)) mod 2^bits, as the tensor's bit dtype."""
+    w = old.element_size()
+    mask = (1 << (8 * w)) - 1
+    d = (ulp_key_reference(new) - ulp_key_reference(old)) & mask
+    s = torch.where(d >= (1 << (8 * w - 1)), d - (1 << (8 * w)), d)  # signed
+    z = ((s << 1) ^ (s >> 63)) & mask
+    return _to_bits(z, w)
+
+
+def ulp_add_reference(old: torch.Tensor, zz: torch.Tensor) -> torch.Tensor:
+    w = old.element_size()
+    mask = (1 << (8 * w)) - 1
+    z = _unsigned(zz, w)
+    d = (z >> 1) ^ (-(z & 1) & mask)
+    k = (ulp_key_reference(old) + d) & mask
+    return _to_bits(ulp_unkey_reference(k, w), w)
+
+
+def _to_bits(x: torch.Tensor, w: int) -> torch.Tensor:
+    """int64 holding an unsigned w-byte value -> the w-byte bit dtype, same bits."""
+    if w == 8:
+        return x
+    sign = 1 << (8 * w - 1)
+    signed = torch.where(x >= sign, x - (1 << (8 * w)), x)
+    return signed.to(BITS_DTYPE[w]) if w > 1 else x.to(torch.uint8)

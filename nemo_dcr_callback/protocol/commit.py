@@ -1,0 +1,524 @@
+"""The commit protocol: versions in a store, receiver acks, the joint commit (docs/PROTOCOL.md).
+
+Keys under the store's root:
+
+    versions/{v}/rank-{r}/part-{n}.dcr  chunks back to back, each part uploaded as soon as it
+                                        is full (receivers may fetch them while later ones are
+                                        still being encoded)
+    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums, the rank's
+                                        additive digests; written after its last part
+    versions/{v}/VERSION.json           VersionRecord, once every rank's manifest exists:
+                                        base, totals, per-tensor digests (If-None-Match)
+    versions/{v}/acks/{receiver}.json   Ack: the receiver fetched and verified every chunk and
+                                        holds the base (or a refusal, with the reason)
+    versions/{v}/DECISION.json          Decision: commit or abort, written with If-None-Match
+                                        so exactly one writer decides; commit binds v as the
+                                        baseline of the next delta
+    receivers/{id}.json                 a receiver's registration: the version it holds
+    keyframe/{v}/model.safetensors      a full canonical checkpoint (+ config.json, KEYFRAME.json)
+    verify/{v}/model.safetensors        verify mode only: the dense export of version v
+
+({v} is zero-padded to 10 digits, {r} to 5, {n} to 6.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypedDict
+
+import xxhash
+
+from nemo_dcr_callback.codec import digest
+
+
+class PartRef(TypedDict):
+    key: str
+    bytes: int
+    chunks: int
+    checksum: str  # xxh3-64 of the part's bytes (hex)
+
+
+class RankManifest(TypedDict):
+    version: int
+    base: int
+    rank: int
+    world: int
+    parts: list[PartRef]
+    bytes: int
+    chunks: int
+    params: int
+    changed: int
+    digests: dict[str, str]  # canonical tensor -> additive digest of this rank's slice at `version`
+
+
+class VersionRecord(TypedDict):
+    version: int
+    base: int  # the version a receiver must hold to apply this one
+    world: int
+    ranks: list[str]  # manifest keys
+    bytes: int
+    params: int
+    changed: int
+    digests: dict[str, str]  # canonical tensor -> digest of the whole tensor at `version`
+    time: float
+
+
+class Ack(TypedDict):
+    version: int
+    receiver: str
+    base: int
+    ok: bool
+    error: str | None
+    time: float
+
+
+class Decision(TypedDict):
+    version: int
+    base: int
+    decision: Literal["commit", "abort"]
+    acked: list[str]
+    lagging: list[str]  # receivers that did not ack in time: they catch up later
+    reason: str
+    time: float
+
+
+class Registration(TypedDict):
+    receiver: str
+    version: int
+    time: float
+
+
+# ------------------------------------------------------------------ keys
+def vdir(v: int) -> str:
+    return f"versions/{v:010d}"
+
+
+def part_key(v: int, r: int, n: int) -> str:
+    return f"{vdir(v)}/rank-{r:05d}/part-{n:06d}.dcr"
+
+
+def rank_manifest(v: int, r: int) -> str:
+    return f"{vdir(v)}/rank-{r:05d}.json"
+
+
+def version_record(v: int) -> str:
+    return f"{vdir(v)}/VERSION.json"
+
+
+def ack_key(v: int, receiver: str) -> str:
+    return f"{vdir(v)}/acks/{receiver}.json"
+
+
+def decision_key(v: int) -> str:
+    return f"{vdir(v)}/DECISION.json"
+
+
+def receiver_key(receiver: str) -> str:
+    return f"receivers/{receiver}.json"
+
+
+def keyframe_dir(v: int) -> str:
+    return f"keyframe/{v:010d}"
+
+
+def verify_key(v: int) -> str:
+    return f"verify/{v:010d}/model.safetensors"
+
+
+def read_json(store, key: str):
+    """A JSON object from the store, or None if the key does not exist."""
+    try:
+        return json.loads(store.get(key))
+    except KeyError:
+        return None
+
+
+def read_jsons(store, keys: list[str]) -> list:
+    """read_json of each key, concurrently where the store has a thread pool (a fleet's acks
+    and registrations: one request each, which in a row put a round trip per receiver on the
+    commit's path)."""
+    pool = getattr(store, "executor", None)
+    if pool is None or len(keys) < 2:
+        return [read_json(store, k) for k in keys]
+    return list(pool().map(lambda k: read_json(store, k), keys))
+
+
+# ------------------------------------------------------------------ sender side
+class RankWriter:
+    """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
+    each part is uploaded as soon as it is full (concurrently where the store can), and the
+    manifest goes last, so a manifest always names complete, checksummed parts. Parts ramp up:
+    the first is a sixteenth of the size (at least 64 KiB), each next one twice the last, up
+    to part_bytes, so bytes start crossing the link after a sixteenth of the encoding work a
+    full part would take, and the link is not left idle while the next part is encoded (where
+    the encoder runs at about the link's rate, a full second part left it idle for most of
+    that part's encoding). bench refit at 1%: median 0.77 s with a quarter-size first part
+    and full parts after it, 0.70-0.74 s with the ramp (and FETCH_LANES)."""
+
+    def __init__(self, store, v: int, base: int, rank: int, world: int, part_bytes: int = 4 << 20,
+                 max_inflight: int = 8):
+        self.store, self.v, self.base, self.rank, self.world = store, v, base, rank, world
+        self.part_bytes, self.max_inflight = part_bytes, max_inflight
+        self.first_part_bytes = min(part_bytes, max(64 << 10, part_bytes // 16))
+        self._next_bytes = self.first_part_bytes  # the size the part being filled is sent at
+        self.parts: list[PartRef] = []
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._futs: list = []
+
+    def add(self, chunk: bytes) -> None:
+        self._buf.append(chunk)
+        self._size += len(chunk)
+        if self._size >= self._next_bytes:
+            self._flush_part()
+            self._next_bytes = min(self.part_bytes, 2 * self._next_bytes)
+
+    def _flush_part(self) -> None:
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        key = part_key(self.v, self.rank, len(self.parts))
+        self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
+                                  checksum=xxhash.xxh3_64_hexdigest(data)))
+        self._buf, self._size = [], 0
+        pool = getattr(self.store, "executor", None)
+        if pool is None:
+            self.store.put(key, data, durable=False)
+            return
+        self._futs = [f for f in self._futs if not f.done() or f.exception()]
+        while len(self._futs) >= self.max_inflight:  # bounded memory: wait for the oldest upload
+            self._futs.pop(0).result()
+        self._futs.append(pool().submit(self.store.put, key, data, False))
+
+    def finish(self, params: int, changed: int, digests: dict[str, int]) -> RankManifest:
+        self._flush_part()
+        for f in self._futs:
+            f.result()  # the first upload error is raised here
+        m = RankManifest(version=self.v, base=self.base, rank=self.rank, world=self.world, parts=self.parts,
+                         bytes=sum(p["bytes"] for p in self.parts), chunks=sum(p["chunks"] for p in self.parts),
+                         params=params, changed=changed, digests={k: digest.hexd(d) for k, d in digests.items()})
+        self.store.put(rank_manifest(self.v, self.rank), json.dumps(m).encode(), durable=False)
+        return m
+
+
+def write_rank(store, v: int, base: int, rank: int, world: int, chunks: list[bytes], params: int, changed: int,
+               digests: dict[str, int] | None = None) -> RankManifest:
+    """One rank's chunks in one go (tools and tests; the publisher streams with RankWriter)."""
+    w = RankWriter(store, v, base, rank, world)
+    for c in chunks:
+        w.add(c)
+    return w.finish(params, changed, digests or {})
+
+
+def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.01) -> VersionRecord:
+    """Wait for every rank's manifest of version v, then write its record with a conditional
+    write (if another writer got there first, theirs stands). Returns the record."""
+    deadline = time.monotonic() + timeout
+    keys = [rank_manifest(v, r) for r in range(world)]
+    ms: dict[str, dict] = {}
+    while len(ms) < world:
+        for k in keys:
+            if k not in ms:
+                m = read_json(store, k)
+                if m is None:
+                    break  # all must arrive: a poll reads only up to the first one missing
+                ms[k] = m
+        if len(ms) < world:
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if k not in ms]
+                raise TimeoutError(f"version {v}: rank manifests missing after {timeout:.0f} s: {missing[:4]}")
+            time.sleep(poll)
+    for k, m in ms.items():
+        if m["version"] != v or m["base"] != base:
+            raise RuntimeError(f"{k}: manifest is for version {m['version']} on base {m['base']}, "
+                               f"expected {v} on {base} (ranks disagree)")
+    digests: dict[str, int] = {}
+    for m in ms.values():
+        for name, d in m["digests"].items():
+            digests[name] = (digests.get(name, 0) + int(d, 16)) & digest.MASK
+    rec = VersionRecord(version=v, base=base, world=world, ranks=keys, bytes=sum(m["bytes"] for m in ms.values()),
+                        params=sum(m["params"] for m in ms.values()),
+                        changed=sum(m["changed"] for m in ms.values()),
+                        digests={k: digest.hexd(d) for k, d in sorted(digests.items())}, time=time.time())
+    if not store.put_if_absent(version_record(v), json.dumps(rec).encode()):
+        rec = json.loads(store.get(version_record(v)))
+    return rec
+
+
+def read_record(store, v: int) -> VersionRecord | None:
+    return read_json(store, version_record(v))
+
+
+def list_versions(store) -> list[int]:
+    """Every version that has objects in the store (sealed or not)."""
+    return sorted(int(c) for c in store.children("versions") if c.isdigit())
+
+
+# ------------------------------------------------------------------ receivers and acks
+def register(store, receiver: str, version: int) -> None:
+    """A receiver announces itself and the version it holds (and refreshes it after each apply)."""
+    store.put(receiver_key(receiver), json.dumps(Registration(receiver=receiver, version=version,
+                                                              time=time.time())).encode())
+
+
+def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
+    """Registered receivers (those seen within live_s seconds, if given)."""
+    out = {}
+    now = time.time()
+    names = [n for n in store.children("receivers") if n.endswith(".json")]
+    for r in read_jsons(store, [f"receivers/{n}" for n in names]):
+        if r is not None and (live_s is None or now - r["time"] <= live_s):
+            out[r["receiver"]] = r
+    return out
+
+
+def write_ack(store, v: int, receiver: str, base: int, ok: bool = True, error: str | None = None) -> None:
+    store.put(ack_key(v, receiver), json.dumps(Ack(version=v, receiver=receiver, base=base, ok=ok, error=error,
+                                                   time=time.time())).encode())
+
+
+DIRECT_ACK_READS = 2  # at most this many acks still missing: read them by name, no listing
+# Under a relay the committer reads the acks its long-poll names; it still lists them this
+# often, for acks written around the relay (a receiver that failed over to the origin).
+ACK_LIST_EVERY_S = 0.5
+# On a polled store (S3, files) the committer looks for acks every CommitPolicy.poll for the
+# first ACK_FAST_S after the seal or the last new ack (where a refit's acks come: its decision
+# is not delayed), then its pause grows by ACK_POLL_SHARE of the time past that, up to
+# ACK_POLL_MAX_S. A late ack is seen at most ~5% of its lateness (and 0.25 s) later: large
+# refits whose acks come many seconds after the seal lose at most that; a registered receiver
+# that died costs ~470 requests over a 60 s ack timeout instead of ~6,000.
+ACK_FAST_S = 2.0
+ACK_POLL_SHARE = 0.05
+ACK_POLL_MAX_S = 0.25
+
+
+def ack_pause(poll: float, quiet_s: float) -> float:
+    """The committer's next pause on a polled store, `quiet_s` after the last new ack (or
+    the seal)."""
+    return min(poll + ACK_POLL_SHARE * max(0.0, quiet_s - ACK_FAST_S), max(poll, ACK_POLL_MAX_S))
+
+
+def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[str] | None = None) -> dict[str, Ack]:
+    """The acks of v by receiver. `seen` (ack object name -> ack) caches what earlier calls
+    read: acks are written once, so a poll lists and reads only the new ones. With the
+    receivers `expected` and only a few of their acks missing, those are read by name: one
+    round trip on the commit's path instead of a listing and then a read."""
+    seen = {} if seen is None else seen
+    if expected is not None:
+        missing = [r for r in expected if f"{r}.json" not in seen]  # seen: by object name, as listed
+        if len(missing) <= DIRECT_ACK_READS:
+            for r, a in zip(missing, read_jsons(store, [ack_key(v, r) for r in missing]), strict=True):
+                if a is not None:
+                    seen[f"{r}.json"] = a
+            return {a["receiver"]: a for a in seen.values()}
+    new = [n for n in store.children(f"{vdir(v)}/acks") if n not in seen]
+    for name, a in zip(new, read_jsons(store, [f"{vdir(v)}/acks/{n}" for n in new]), strict=True):
+        if a is not None:
+            seen[name] = a
+    return {a["receiver"]: a for a in seen.values()}
+
+
+# ------------------------------------------------------------------ the joint commit
+@dataclass
+class CommitPolicy:
+    """What the committer does about receivers that are slow, missing or refuse a version.
+
+    wait:   commit once every expected receiver acked; a refusal aborts; past `timeout` it is
+            an error (the trainer sees it; nothing is committed).
+    abort:  as wait, but past `timeout` the version is aborted (senders restore their
+            baselines; the next version covers the changes).
+    quorum: commit once every expected receiver answered, or at `timeout` if at least
+            `quorum` of them acked; the rest are marked lagging and catch up later;
+            otherwise abort.
+    Expected receivers: those registered (and seen within `live_s`) when the version is
+    sealed. With none registered, a sealed version commits at once.
+    """
+
+    mode: Literal["wait", "abort", "quorum"] = "quorum"
+    timeout: float = 60.0
+    quorum: float = 0.5
+    live_s: float = 600.0
+    poll: float = 0.01
+
+    def __post_init__(self):
+        if self.mode not in ("wait", "abort", "quorum"):
+            raise ValueError(f"commit policy must be wait, abort or quorum, not {self.mode!r}")
+        if not 0.0 <= self.quorum <= 1.0:
+            raise ValueError("quorum is a fraction in [0, 1]")
+
+
+class CommitTimeout(TimeoutError):
+    pass
+
+
+def decide(store, v: int, base: int, decision: str, acked: list[str], lagging: list[str], reason: str) -> Decision:
+    """Write the decision for v with If-None-Match; returns the decision that stands (ours, or
+    the one another writer got in first)."""
+    d = Decision(version=v, base=base, decision=decision, acked=sorted(acked), lagging=sorted(lagging),
+                 reason=reason, time=time.time())
+    if store.put_if_absent(decision_key(v), json.dumps(d).encode()):
+        return d
+    return json.loads(store.get(decision_key(v)))
+
+
+def read_decision(store, v: int) -> Decision | None:
+    return read_json(store, decision_key(v))
+
+
+def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: bool = True,
+               expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
+    """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
+    per the policy, then decide. A version whose base was not committed is aborted at once."""
+    from nemo_dcr_callback.transport.store import wait_news
+
+    v, base = rec["version"], rec["base"]
+    if not base_committed:
+        return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
+    if expected is None:
+        expected = sorted(receivers(store, policy.live_s))
+    deadline = time.monotonic() + policy.timeout
+    need = math.ceil(policy.quorum * len(expected))
+    seen: dict[str, Ack] = {}
+    token, news, listed_at = 0, None, -1e9
+    quiet_since = time.monotonic()
+    while True:
+        n_seen = len(seen)
+        if news is not None and time.monotonic() - listed_at < ACK_LIST_EVERY_S:
+            named = [k for k in news if k.startswith(f"{vdir(v)}/acks/") and k.rsplit("/", 1)[1] not in seen]
+            for k, a in zip(named, read_jsons(store, named), strict=True):
+                if a is not None:
+                    seen[k.rsplit("/", 1)[1]] = a
+        else:
+            listed_at = time.monotonic()
+            read_acks(store, v, seen, expected)
+        acks = {a["receiver"]: a for a in seen.values() if a["receiver"] in expected}
+        ok = [k for k, a in acks.items() if a["ok"] and a["base"] == base]
+        refused = [k for k, a in acks.items() if not (a["ok"] and a["base"] == base)]
+        if len(ok) == len(expected):
+            return decide(store, v, base, "commit", ok, [], f"{len(ok)}/{len(expected)} receivers acked")
+        if refused and policy.mode in ("wait", "abort"):
+            why = "; ".join(f"{k}: {acks[k]['error'] or 'wrong base'}" for k in refused[:3])
+            return decide(store, v, base, "abort", ok, refused, f"refused by {why}")
+        answered = len(acks) == len(expected)
+        late = time.monotonic() > deadline
+        if policy.mode == "quorum" and (answered or late):
+            lagging = [k for k in expected if k not in ok]
+            if len(ok) >= need:
+                return decide(store, v, base, "commit", ok, lagging,
+                              f"quorum {len(ok)}/{len(expected)} (need {need})")
+            return decide(store, v, base, "abort", ok, lagging, f"no quorum: {len(ok)}/{len(expected)} (need {need})")
+        if late:
+            missing = [k for k in expected if k not in acks]
+            if policy.mode == "abort":
+                return decide(store, v, base, "abort", ok, missing,
+                              f"no ack from {missing[:4]} in {policy.timeout:.0f} s")
+            raise CommitTimeout(f"version {v}: no ack from {missing[:4]} after {policy.timeout:.0f} s "
+                                "(commit policy 'wait')")
+        # a relay long-polls (acks written through it wake this at once, and its answer names
+        # them: they are read without listing the acks); other stores sleep, longer the longer
+        # no new ack came (ack_pause)
+        now = time.monotonic()
+        if len(seen) > n_seen:
+            quiet_since = now
+        left = max(policy.poll, deadline - now)
+        token, news = wait_news(store, token, min(ack_pause(policy.poll, now - quiet_since), left),
+                                max(policy.poll, min(1.0, left)))
+
+
+def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int = 0,
+                   max_poll: float | None = None) -> Decision:
+    """Wait for the decision on v (non-committing ranks, receivers). token: the caller's last
+    change token of this store (a relay's generation), if it has one: with 0 the first
+    long-poll returned at once (anything is news after 0) and the decision was asked for
+    twice before it could exist (2 of a receiver's ~30 requests per version). max_poll: on a
+    store that is polled, the pause doubles from `poll` up to this (callers off the refit's
+    path: each poll of S3 is a request, and a large job has a poller per rank)."""
+    from nemo_dcr_callback.transport.store import backoff, wait_change
+
+    deadline = time.monotonic() + timeout
+    first = poll
+    while True:
+        d = read_decision(store, v)
+        if d is not None:
+            return d
+        left = deadline - time.monotonic()
+        if left < 0:
+            raise CommitTimeout(f"version {v}: no commit decision after {timeout:.0f} s")
+        token = wait_change(store, token, poll, min(1.0, left), data_only=True)  # a decision is data
+        if max_poll is not None:
+            poll = backoff(poll, first, max_poll)
+
+
+# ------------------------------------------------------------------ restarting a sender
+def resume_point(store) -> tuple[int, int, list[int]]:
+    """Where a restarted sender picks up: (last committed version, newest version number in
+    the store, the versions after the last committed one that nobody decided: left behind by
+    a sender that died mid-version)."""
+    versions = list_versions(store)
+    last, dangling = 0, []
+    for v in versions:
+        d = read_decision(store, v)
+        if d is not None and d["decision"] == "commit":
+            last, dangling = v, [x for x in dangling if x > v]
+        elif d is None:
+            dangling.append(v)
+    return last, max(versions, default=0), [v for v in dangling if v > last]
+
+
+def abort_dangling(store, versions: list[int], reason: str = "the senders restarted") -> None:
+    """Decide abort for versions a dead sender left unfinished (their parts are never applied;
+    gc removes them). Conditional writes: a decision already there stands."""
+    for v in versions:
+        rec = read_record(store, v)
+        base = rec["base"] if rec else -1
+        decide(store, v, base, "abort", [], [], reason)
+
+
+# ------------------------------------------------------------------ keyframes and garbage
+def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
+    """A full canonical checkpoint of version v (safetensors), its config and digests; the
+    record goes last, so a keyframe with a record is complete."""
+    from safetensors.torch import save
+
+    d = keyframe_dir(v)
+    store.put(f"{d}/model.safetensors", save({k: t.contiguous() for k, t in tensors.items()}))
+    if config_json is not None:
+        store.put(f"{d}/config.json", config_json.encode())
+    store.put(f"{d}/KEYFRAME.json", json.dumps({"version": v, "digests": {
+        k: digest.hexd(digest.sum64(t)) for k, t in sorted(tensors.items())}, "time": time.time()}).encode())
+
+
+def keyframes(store) -> list[int]:
+    """Complete keyframes (with a record); version 0 counts as committed by definition."""
+    return sorted(int(c) for c in store.children("keyframe") if c.isdigit()
+                  and store.exists(f"keyframe/{c}/KEYFRAME.json"))
+
+
+def read_keyframe(store, v: int) -> dict | None:
+    return read_json(store, f"{keyframe_dir(v)}/KEYFRAME.json")
+
+
+def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
+    """Delete what nobody needs: aborted versions; undecided versions older than the newest
+    decision; committed versions at or below both the newest usable keyframe and the oldest
+    version a live receiver holds; keyframes older than the newest usable one. Returns the
+    deleted keys."""
+    vs = list_versions(store)
+    decisions = {v: read_decision(store, v) for v in vs}
+    committed = [v for v in vs if decisions[v] and decisions[v]["decision"] == "commit"]
+    kfs = [k for k in keyframes(store) if k == 0 or k in committed]
+    newest_kf = max(kfs, default=0)
+    held = [r["version"] for r in receivers(store, live_s).values()]
+    floor = min([newest_kf, *held])
+    newest_decided = max((v for v in vs if decisions[v]), default=-1)
+    doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
+                       or (decisions[v] is None and v < newest_decided) or (v in committed and v <= floor)]
+    prefixes = [vdir(v) for v in doomed_versions] + [f"verify/{v:010d}" for v in doomed_versions]
+    prefixes += [keyframe_dir(kf) for kf in kfs if kf < newest_kf]
+    if dry_run:
+        return [k for p in prefixes for k in store.list(p)]
+    return [k for p in prefixes for k in store.delete_prefix(p)]

@@ -1,0 +1,226 @@
+"""The sender side on one training rank: baselines, delta, placement, chunks.
+
+`ShardSender.step()` runs right after an optimizer step. For every parameter slice this rank
+sends (placement decides: main replica only, data-parallel ranks split the flat range), it
+takes the delta against the slice's baseline (the fused kernel; the baseline moves to the
+current bits), projects the changed positions into canonical coordinates and encodes XOR
+chunks. Parameters whose canonical bits are not a copy of the training bits (an fp32 norm
+served as bf16, a zero-centred gamma) go the residual way: converted on this rank, diffed
+against a canonical residual baseline, sent as overwrite chunks. Until `commit()`, the
+deltas are the undo log: `abort()` restores every baseline bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.core import cuda_kernels, kernels
+from nemo_dcr_callback.core.bitops import SparseDelta
+from nemo_dcr_callback.placement.maps import ParamMap, Placement
+from nemo_dcr_callback.sender.delta import Scratch, take_delta, undo
+
+
+@dataclass
+class StepStats:
+    params: int = 0  # elements this rank sent for
+    changed: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    residual_changed: int = 0
+    per_tensor: dict[str, int] = field(default_factory=dict)  # canonical name -> changed
+
+
+def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_kernels.SideStream,
+          out=None, threads: int | None = None) -> SparseDelta:
+    """CPU shards: the compiled CPU kernel (into `out` if given). CUDA shards: the CUDA kernel
+    on a side stream, the compacted output in pinned host memory (ready to encode when this
+    returns)."""
+    if cur.is_cuda:
+        return side.take(cur, base)
+    return take_delta(cur, base, keep_new=True, scratch=scratch, out=out, threads=threads)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu() if t.is_cuda else t
+
+
+def _gather(t: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """The slices of t that went to one canonical tensor (a view when there is one)."""
+    return t[parts[0][0]:parts[0][1]] if len(parts) == 1 else torch.cat([t[a:b] for a, b in parts])
+
+
+def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's slice of a parameter as canonical values (the residual conversion)."""
+    x = pm.param.detach().reshape(-1)[pm.lo:pm.hi]
+    if pm.rule.transform == "plus_one":
+        x = x.float() + 1.0
+    return x.to(dtype)
+
+
+class ShardSender:
+    # XOR slices of float parameters go through the compiled slice encoder (codec.encode_xor_slice:
+    # projection, chunking and encoding in one call, the same chunks); False: the Python path.
+    fused_slices: bool = True
+
+    def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
+                 baseline: str = "gpu"):
+        self.placement = placement
+        self.span, self.level = span, level
+        self.active = [pm for pm in placement.params if pm.hi > pm.lo]
+        self.baselines: dict[str, torch.Tensor] = {}
+        for pm in self.active:
+            if pm.residual:
+                self.baselines[pm.name] = canonical_values(pm, placement.dtype).clone()
+            else:
+                self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
+        self._undo: list[tuple[str, SparseDelta]] = []
+        self._scratch = Scratch()
+        self._side = cuda_kernels.SideStream()
+        self.use_baseline(baseline)
+
+    def use_baseline(self, where: str) -> None:
+        """Where the baselines of CUDA shards live: "gpu", or "pinned" host memory that the
+        kernel reads and writes through UVA (no GPU memory held; the pass is PCIe-bound)."""
+        cuda_kernels.check_baseline_option(where)
+        for pm in self.active:
+            if pm.param.is_cuda:
+                like = None if pm.residual else self._current(pm)
+                self.baselines[pm.name] = cuda_kernels.place_baseline(self.baselines[pm.name], where, like)
+
+    def rebase(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Set every baseline to the bits of the canonical tensors (the receivers' version):
+        each owned element is read at its canonical position (the placement's projection).
+        A sender restarted from a training checkpoint rebases on the last committed version,
+        so its first delta takes receivers from there to the restored weights."""
+        from nemo_dcr_callback.core.bitops import bits
+
+        self._undo.clear()
+        for pm in self.active:
+            base = self.baselines[pm.name]
+            host = _host(base).clone()
+            hb = bits(host)
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                src = bits(canonical[pr.name].contiguous()).reshape(-1)
+                vals = src[torch.from_numpy(np.ascontiguousarray(pr.positions)).to(torch.int64)]
+                off = 0
+                for a, b in pr.parts:
+                    hb[a:b] = vals[off:off + b - a]
+                    off += b - a
+            base.copy_(host)
+
+    def _current(self, pm: ParamMap) -> torch.Tensor:
+        if pm.residual:
+            return canonical_values(pm, self.placement.dtype)
+        return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
+
+    def take(self, outs: list | None = None, threads: int | None = None) -> list[tuple[ParamMap, SparseDelta]]:
+        """The synchronous part, right after the optimizer step: one fused kernel pass per
+        owned slice (baselines move to the current bits; the deltas join the undo log).
+        outs: per active slice, (positions, xor, new) buffers the CPU kernel writes into
+        (delta.take_delta's `out`, sized for `threads`), which the deltas then view."""
+        taken = []
+        for k, pm in enumerate(self.active):
+            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side,
+                      None if outs is None else outs[k], threads)
+            self._undo.append((pm.name, d))
+            taken.append((pm, d))
+        return taken
+
+    def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
+               digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
+        """Projection and encoding (may run in a background thread): canonical chunks, each
+        passed to `emit` as soon as it is encoded (a slice through the compiled slice encoder:
+        once the slice is) and then not returned, or returned. `digests` (canonical name ->
+        this rank's slice digest) is moved forward by the changes."""
+        chunks: list[bytes] = []
+        st = StepStats()
+        lib = kernels.native() if self.fused_slices else None
+
+        def deliver(name: str, out: list[bytes], n: int) -> None:
+            st.chunks += len(out)
+            st.bytes += sum(map(len, out))
+            if emit is None:
+                chunks.extend(out)
+            else:
+                for c in out:
+                    emit(c)
+            st.per_tensor[name] = st.per_tensor.get(name, 0) + n
+
+        for pm, d in taken:
+            st.params += pm.hi - pm.lo
+            st.changed += d.count
+            if pm.residual:
+                st.residual_changed += d.count
+            if d.count == 0:
+                continue
+            if (lib is not None and not pm.residual and d.xor.element_size() > 1 and d.new is not None
+                    and pm.dtype.is_floating_point and not d.positions.is_cuda):
+                got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
+                                             pm.canon, self.placement.numels(pm), self.span, self.level)
+                if got is not None:
+                    for cid, out, n, terms in got:
+                        if digests is not None:
+                            digests[pm.canon[cid]] = digest.move(digests.get(pm.canon[cid], 0), terms)
+                        deliver(pm.canon[cid], out, n)
+                    continue
+            for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
+                pos = torch.from_numpy(pr.positions)
+                xor, new = _gather(d.xor, pr.parts), _gather(d.new, pr.parts)
+                numel = self.placement.numel(pr.name)
+                if pm.residual:
+                    if digests is not None:
+                        digests[pr.name] = digest.update_xor(digests.get(pr.name, 0), pr.positions, new, xor)
+                    out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
+                                              span=self.span, level=self.level)
+                else:  # the encoder adds the changes' digest terms as it goes (no second pass)
+                    terms = None if digests is None else [0, 0]
+                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
+                                              span=self.span, level=self.level, terms=terms)
+                    if terms is not None:
+                        digests[pr.name] = digest.move(digests.get(pr.name, 0), terms)
+                deliver(pr.name, out, pos.numel())
+        return chunks, st
+
+    def step(self) -> tuple[list[bytes], StepStats]:
+        """take() and encode() in one call."""
+        if self._undo:
+            raise RuntimeError("the previous step is neither committed nor aborted")
+        return self.encode(self.take())
+
+    def commit(self) -> None:
+        """The joint commit: the baselines stay at this step's bits; drop the undo log."""
+        self._undo.clear()
+
+    def abort(self) -> None:
+        """Restore every baseline to the last committed bits."""
+        for name, d in reversed(self._undo):
+            undo(self.baselines[name], d)
+        self._undo.clear()
+
+    def digests(self) -> dict[str, int]:
+        """Additive digests (digest.py) of this rank's slice of every canonical tensor it
+        sends, at the current baselines, in canonical positions: slices of all ranks sum to
+        the tensor's digest. O(shard) once at start; versions update them from their changes."""
+        out: dict[str, int] = {}
+        for pm in self.active:
+            base = _host(self.baselines[pm.name])
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                out[pr.name] = (out.get(pr.name, 0) + digest.sum64(_gather(base, pr.parts), pr.positions)) & digest.MASK
+        return out
+
+    def coverage(self) -> dict[str, np.ndarray]:
+        """Every canonical position this rank is responsible for (tests count them)."""
+        out: dict[str, list[np.ndarray]] = {}
+        for pm in self.active:
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                out.setdefault(pr.name, []).append(pr.positions)
+        return {k: np.concatenate(v) for k, v in out.items()}
+
+
+__all__ = ["ShardSender", "StepStats"]

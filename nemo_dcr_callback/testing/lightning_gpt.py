@@ -1,0 +1,117 @@
+"""A LightningModule training a megatron-core GPT under manual optimization (the pipeline
+schedule drives forward/backward; the Megatron optimizer steps). Used by scripts/train.py,
+`make demo`-style runs and the callback tests. Parallelism is Megatron's own: run one
+process per rank (torchrun / srun) and give Lightning a single-device strategy."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+
+from nemo_dcr_callback.testing.megatron_model import (
+    TinyGPTConfig,
+    build_model,
+    hf_config,
+    train_step,
+    wrap_for_training,
+)
+
+STEP_CLOCK_ENV = "NEMO_DCR_STEP_CLOCK"  # set: rank 0 prints each step's start (monotonic clock)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Synthetic token batches [micro_batches, micro_batch_size, seq + 1], per DP rank."""
+
+    def __init__(self, steps: int, micro: int, batch: int, seq: int, vocab: int, seed: int):
+        self.steps, self.shape, self.vocab, self.seed = steps, (micro, batch, seq + 1), vocab, seed
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 100003 + i)
+        return torch.randint(0, self.vocab, self.shape, generator=g)
+
+
+def init_distributed(tp: int, pp: int) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) from the launcher's environment, then
+    Megatron's parallel state; the CPU shims where there is no GPU."""
+    from megatron.core import parallel_state as ps
+
+    if not torch.cuda.is_available():
+        from nemo_dcr_callback.testing import megatron_cpu
+
+        megatron_cpu.enable()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tp, pp)
+
+
+class MegatronGPTModule(L.LightningModule):
+    def __init__(self, model: TinyGPTConfig, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, lr: float = 1e-4, micro_batches: int = 2,
+                 micro_batch_size: int = 2, distributed_optimizer: bool = False, seed: int = 1234):
+        super().__init__()
+        self.cfg = model
+        self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.lr, self.micro, self.mbs = lr, micro_batches, micro_batch_size
+        self.distributed_optimizer, self.seed = distributed_optimizer, seed
+        self.automatic_optimization = False
+        self.megatron = None
+        self.dcr_vocab_size = model.vocab_size
+
+    def configure_model(self) -> None:
+        if self.megatron is not None:
+            return
+        init_distributed(self.tp, self.pp)
+        self.megatron = build_model(self.cfg, seed=self.seed)
+        self._ddp, self._opt = wrap_for_training(self.megatron, lr=self.lr,
+                                                 distributed_optimizer=self.distributed_optimizer)
+
+    def dcr_model(self):
+        return self.megatron
+
+    def dcr_hf_config(self):
+        return hf_config(self.cfg)
+
+    def configure_optimizers(self):
+        return None  # the Megatron optimizer is stepped in training_step
+
+    def train_dataloader(self):
+        from megatron.core import parallel_state as ps
+
+        steps = int(self.trainer.max_steps) if self.trainer.max_steps and self.trainer.max_steps > 0 else 10
+        ds = RandomTokens(steps, self.micro, self.mbs, self.cfg.seq_length, self.cfg.vocab_size,
+                          self.seed + ps.get_data_parallel_rank())
+        return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False)
+
+    def training_step(self, batch, batch_idx):
+        # Wall time from one step's start to the next's: the step plus every callback's work.
+        now = time.perf_counter()
+        if getattr(self, "_t_last", None) is not None:
+            self.log("step_ms", 1e3 * (now - self._t_last), on_step=True, batch_size=1)
+        self._t_last = now
+        if os.environ.get(STEP_CLOCK_ENV) and self.trainer.global_rank == 0:  # bench overhead: when steps start
+            print(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}", flush=True)
+        loss = train_step(self._ddp, self._opt, batch, self.cfg)
+        if batch_idx == 0 and self.trainer.global_rank == 0:
+            from nemo_dcr_callback.testing.megatron_cpu import fp32_gemm_products
+
+            if n := fp32_gemm_products():  # the CPU run mode took the model's products (megatron_cpu)
+                print(f"cpu run mode: step 1 computed {n} bf16 matrix products in fp32 on rank 0", flush=True)
+        if loss is not None:
+            self.log("loss", loss, on_step=True, prog_bar=False, batch_size=1)
+        return None

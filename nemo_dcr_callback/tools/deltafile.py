@@ -1,0 +1,320 @@
+"""File-level deltas between two safetensors checkpoints (`nemo-dcr diff / patch / stats`).
+
+A delta file is the codec's chunks back to back, then a JSON manifest, then a fixed footer
+(docs/FORMAT.md): the writer streams chunks as they are encoded and needs no second pass.
+The manifest names every tensor of NEW with its dtype, shape, digests of the old and new
+bits and its chunks, plus each safetensors header of NEW verbatim, so `patch` rebuilds
+NEW's files byte for byte. Patching verifies everything it can before writing (manifest
+checksum, base digests), writes into a temporary path and renames it into place only when
+every tensor's new digest matched: a bad delta or a wrong base leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import xxhash
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.sender.delta import take_delta
+from nemo_dcr_callback.tools.checkpoint import Checkpoint, CheckpointError, TensorEntry, write_safetensors
+
+MAGIC = b"DCRD"
+END_MAGIC = b"DCRDEND\x00"
+VERSION = 1
+_HEAD = struct.Struct("<4sHH")  # magic, version, reserved
+_FOOT = struct.Struct("<QQQ8s")  # manifest offset, manifest length, xxh3-64 of manifest, end magic
+MAX_MANIFEST = 1 << 30
+
+
+class DeltaError(ValueError):
+    """A delta file that is corrupt, truncated, of another version or for another base."""
+
+
+class _Progress:
+    """One line to stderr at most every `every` seconds, and a last one."""
+
+    def __init__(self, what: str, total: int, every: float = 2.0, quiet: bool = False):
+        self.what, self.total, self.every, self.quiet = what, total, every, quiet
+        self.t0 = self.last = time.monotonic()
+        self.done = self.nbytes = 0
+
+    def add(self, nbytes: int) -> None:
+        self.done += 1
+        self.nbytes += nbytes
+        self.tick()
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or (not force and now - self.last < self.every):
+            return
+        self.last = now
+        print(f"nemo-dcr {self.what}: {self.done}/{self.total} tensors, {self.nbytes / 1e9:.2f} GB, "
+              f"{now - self.t0:.1f} s", file=sys.stderr)
+
+
+def file_digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
+         span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False) -> dict:
+    """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest."""
+    old, new = Checkpoint(old_path), Checkpoint(new_path)
+    out_path = Path(out_path)
+    fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent or ".")
+    tensors, files = [], []
+    prog = _Progress("diff", len(new.where), quiet=quiet)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_HEAD.pack(MAGIC, VERSION, 0))
+            for fname, sf in new.files.items():
+                files.append({"path": fname, "header": sf.header_bytes.decode()})
+                for name, e in sorted(sf.entries.items(), key=lambda kv: kv[1].begin):
+                    cur = sf.tensor(name)
+                    rec = {"name": name, "file": fname, "dtype": e.dtype, "shape": list(e.shape),
+                           "numel": cur.numel(), "new_digest": codec.tensor_digest(cur)}
+                    same_kind = (name in old.where and old.entry(name).dtype == e.dtype
+                                 and old.entry(name).shape == e.shape)
+                    if same_kind:
+                        base = old.tensor(name).clone()
+                        rec["old_digest"] = codec.tensor_digest(base)
+                        d = take_delta(cur, base, keep_new=True)
+                        chunks = codec.encode_delta(name, d, span=span, level=level)
+                        rec.update(mode="xor", changed=d.count, bound_bits=codec.delta_bound_bits(d))
+                    else:
+                        chunks = codec.encode_overwrite(name, cur.contiguous(), span=span, level=level)
+                        rec.update(mode="full", changed=cur.numel(), old_digest=None)
+                    spans = []
+                    for c in chunks:
+                        spans.append([f.tell(), len(c)])
+                        f.write(c)
+                    rec["chunks"] = spans
+                    rec["bytes"] = sum(s[1] for s in spans)
+                    tensors.append(rec)
+                    prog.add(e.end - e.begin)
+            others = []
+            for name in new.other_files:
+                p = new.path / name
+                dg = file_digest(p)
+                if name in old.other_files and file_digest(old.path / name) == dg:
+                    others.append({"path": name, "digest": dg, "same": True})
+                else:
+                    data = p.read_bytes()
+                    others.append({"path": name, "digest": dg, "blob": [f.tell(), len(data)]})
+                    f.write(data)
+            manifest = {
+                "format": "nemo-dcr-delta", "version": VERSION,
+                "layout": "dir" if new.is_dir else "file",
+                "files": files, "tensors": tensors, "other_files": others,
+                "removed": sorted(set(old.where) - set(new.where)),
+            }
+            mbytes = json.dumps(manifest, separators=(",", ":")).encode()
+            moff = f.tell()
+            f.write(mbytes)
+            f.write(_FOOT.pack(moff, len(mbytes), xxhash.xxh3_64_intdigest(mbytes), END_MAGIC))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+        prog.tick(force=True)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return manifest
+
+
+class DeltaFile:
+    """A delta file opened for reading: manifest verified, chunks read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._f = open(self.path, "rb")
+        except OSError as exc:
+            raise DeltaError(f"{self.path}: cannot open ({exc.strerror})") from None
+        size = os.fstat(self._f.fileno()).st_size
+        if size < _HEAD.size + _FOOT.size:
+            raise DeltaError(f"{self.path}: truncated delta file ({size} bytes)")
+        magic, ver, _ = _HEAD.unpack(self._f.read(_HEAD.size))
+        if magic != MAGIC:
+            raise DeltaError(f"{self.path}: not a nemo-dcr delta file")
+        if ver != VERSION:
+            raise DeltaError(f"{self.path}: delta format version {ver}, this build reads {VERSION}")
+        self._f.seek(size - _FOOT.size)
+        moff, mlen, msum, end = _FOOT.unpack(self._f.read(_FOOT.size))
+        if end != END_MAGIC:
+            raise DeltaError(f"{self.path}: truncated delta file (no footer)")
+        if mlen > MAX_MANIFEST or moff + mlen != size - _FOOT.size or moff < _HEAD.size:
+            raise DeltaError(f"{self.path}: corrupt footer")
+        self._f.seek(moff)
+        mbytes = self._f.read(mlen)
+        if xxhash.xxh3_64_intdigest(mbytes) != msum:
+            raise DeltaError(f"{self.path}: manifest checksum mismatch (corrupt delta)")
+        try:
+            self.manifest = json.loads(mbytes)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise DeltaError(f"{self.path}: manifest is not JSON") from None
+        if self.manifest.get("format") != "nemo-dcr-delta" or self.manifest.get("version") != VERSION:
+            raise DeltaError(f"{self.path}: unsupported manifest")
+        self.data_end = moff
+
+    def read(self, span: list[int]) -> bytes:
+        off, length = span
+        if off < _HEAD.size or off + length > self.data_end:
+            raise DeltaError(f"{self.path}: chunk span {span} outside the data section")
+        self._f.seek(off)
+        data = self._f.read(length)
+        if len(data) != length:
+            raise DeltaError(f"{self.path}: truncated chunk")
+        return data
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _entries_from_header(header: str) -> dict[str, TensorEntry]:
+    h = json.loads(header)
+    h.pop("__metadata__", None)
+    return {n: TensorEntry(n, e["dtype"], tuple(e["shape"]), *e["data_offsets"]) for n, e in h.items()}
+
+
+def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict) -> torch.Tensor:
+    """NEW's bits of one tensor: BASE's bits (or zeros for a tensor sent whole) with every
+    chunk applied, then checked against the delta's digest of the new bits."""
+    name = rec["name"]
+    info = codec.dtype_info(rec["dtype"])
+    if rec["mode"] == "xor":
+        target = base.tensor(name).contiguous().clone().reshape(-1)
+    else:
+        target = torch.zeros(rec["numel"], dtype=info.torch)
+    for span in rec["chunks"]:
+        codec.apply_chunk(dfile.read(span), target, name)
+    if codec.tensor_digest(target) != rec["new_digest"]:
+        raise DeltaError(f"tensor {name!r}: result digest differs from the delta's (corrupt delta or wrong base)")
+    return bits(target)
+
+
+def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path: str | os.PathLike, *,
+          force: bool = False, quiet: bool = False) -> dict:
+    """Rebuild NEW from BASE and a delta into out_path. All or nothing: on any error
+    (DeltaError, codec.ChunkError, CheckpointError) nothing is left at out_path and BASE is
+    untouched (it is only ever read)."""
+    dfile = DeltaFile(delta_path)
+    m = dfile.manifest
+    base = Checkpoint(base_path)
+    out_path = Path(out_path)
+    is_dir = m["layout"] == "dir"
+    if out_path.exists() and not force and (not out_path.is_dir() or any(out_path.iterdir())):
+        raise FileExistsError(f"{out_path} exists (use --force to replace it)")
+    if out_path.resolve() == Path(base_path).resolve():
+        raise ValueError("OUT must differ from BASE (BASE is never modified)")
+
+    # 1. The base must be the delta's base, checked before anything is written.
+    for rec in m["tensors"]:
+        if rec["mode"] != "xor":
+            continue
+        name = rec["name"]
+        if name not in base.where:
+            raise DeltaError(f"BASE has no tensor {name!r}: wrong base for this delta")
+        e = base.entry(name)
+        if e.dtype != rec["dtype"] or list(e.shape) != rec["shape"]:
+            raise DeltaError(f"BASE tensor {name!r} is {e.dtype}{list(e.shape)}, the delta expects "
+                             f"{rec['dtype']}{rec['shape']}: wrong base")
+        if codec.tensor_digest(base.tensor(name)) != rec["old_digest"]:
+            raise DeltaError(f"BASE tensor {name!r} does not match the delta's base (digest differs): "
+                             "wrong base or a different version")
+    for o in m["other_files"]:
+        if o.get("same") and (not base.is_dir or o["path"] not in base.other_files):
+            raise DeltaError(f"BASE lacks {o['path']!r}, which the delta takes from the base")
+
+    # 2. Build NEW in a temporary path next to OUT.
+    parent = out_path.parent if str(out_path.parent) else Path(".")
+    tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", suffix=".tmp", dir=parent))
+    by_file: dict[str, list[dict]] = {}
+    for rec in m["tensors"]:
+        by_file.setdefault(rec["file"], []).append(rec)
+    prog = _Progress("patch", len(m["tensors"]), quiet=quiet)
+    try:
+        for fentry in m["files"]:
+            recs = {r["name"]: r for r in by_file.get(fentry["path"], [])}
+            entries = _entries_from_header(fentry["header"])
+            if set(entries) != set(recs):
+                raise DeltaError(f"manifest for {fentry['path']} does not match its header")
+
+            def build(name: str, recs: dict = recs) -> torch.Tensor:
+                t = _rebuild_tensor(base, dfile, recs[name])
+                prog.add(t.numel() * t.element_size())
+                return t
+
+            write_safetensors(tmp / fentry["path"], fentry["header"].encode(), entries, build)
+        for o in m["other_files"]:
+            dst = tmp / o["path"]
+            if o.get("same"):
+                shutil.copyfile(base.path / o["path"], dst)
+            else:
+                dst.write_bytes(dfile.read(o["blob"]))
+            if file_digest(dst) != o["digest"]:
+                raise DeltaError(f"{o['path']}: digest differs from the delta's")
+        # 3. Move into place.
+        if is_dir:
+            if out_path.exists():
+                shutil.rmtree(out_path)
+            os.replace(tmp, out_path)
+        else:
+            if len(m["files"]) != 1:
+                raise DeltaError("single-file delta with several files")
+            os.replace(tmp / m["files"][0]["path"], out_path)
+            shutil.rmtree(tmp)
+        prog.tick(force=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        dfile.close()
+    return m
+
+
+def stats(delta_path: str | os.PathLike) -> dict:
+    """Size, change rate and information bound of a delta file (from its manifest)."""
+    d = DeltaFile(delta_path)
+    m = d.manifest
+    d.close()
+    params = sum(r["numel"] for r in m["tensors"])
+    dense = sum(r["numel"] * codec.dtype_info(r["dtype"]).width for r in m["tensors"])
+    xor = [r for r in m["tensors"] if r["mode"] == "xor"]
+    changed = sum(r["changed"] for r in xor)
+    payload = sum(r["bytes"] for r in m["tensors"])
+    full = [r for r in m["tensors"] if r["mode"] == "full"]
+    bx = sum(r["bound_bits"]["positions"] + r["bound_bits"]["xor"] for r in xor)
+    bu = sum(r["bound_bits"]["positions"] + (r["bound_bits"]["ulp"] if r["bound_bits"]["ulp"] is not None
+                                              else r["bound_bits"]["xor"]) for r in xor)
+    xbytes = sum(r["bytes"] for r in xor)
+    xparams = sum(r["numel"] for r in xor)
+    out = {
+        "tensors": len(m["tensors"]), "params": params, "changed": changed,
+        "change_rate": changed / xparams if xparams else 0.0,
+        "full_tensors": len(full), "removed_tensors": len(m["removed"]),
+        "bytes": os.path.getsize(delta_path), "payload_bytes": payload, "dense_bytes": dense,
+        "bits_per_param": 8 * payload / params if params else 0.0,
+        "ratio_vs_dense": dense / os.path.getsize(delta_path),
+        "xor_bound_bytes": bx / 8, "ulp_bound_bytes": bu / 8,
+        "efficiency_vs_xor_bound": (bx / 8) / xbytes if xbytes else 1.0,
+        "efficiency_vs_ulp_bound": (bu / 8) / xbytes if xbytes else 1.0,
+    }
+    return out
+
+
+__all__ = ["DeltaError", "DeltaFile", "diff", "patch", "stats", "CheckpointError"]
