@@ -1,7 +1,8 @@
 # nemo-dcr: two commands on a fresh machine (Python 3.11, gcc, pip):
 #   make demo   runs the main job on the embedded default
 #   make test   runs the fast test suite
-# Both set themselves up (.venv with the package editable, the CPU kernels compiled).
+# Both set themselves up (.venv with the package editable; pip compiles the kernels into
+# nemo_dcr_callback/_lib, docs/BUILD.md).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -10,20 +11,22 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean
+KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
+
+.PHONY: setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml cuda_ext/cpu/dcr_cpu.cpp
+$(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
-	$(BIN)/nemo-dcr build-kernels
 	touch $(STAMP)
 
+# Recompile the kernels into nemo_dcr_callback/_lib in place (the CUDA ones too where nvcc is).
 kernels: setup
-	$(BIN)/nemo-dcr build-kernels
+	$(BIN)/python cuda_ext/build.py --cuda-if-found
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
@@ -34,12 +37,11 @@ test-all: setup
 # NeMo 2's nl.Trainer with the callback, in its own environment (nemo-toolkit 2.7 pins
 # lightning 2.4.0 and transformers 4.57, older than .venv's); about 2 min to set up.
 NEMO_VENV := .venv-nemo
-$(NEMO_VENV)/.setup-done: pyproject.toml
+$(NEMO_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 	test -x $(NEMO_VENV)/bin/python || $(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_VENV)/bin/python -m pip install -q --upgrade pip
 	$(NEMO_VENV)/bin/pip install -q "$(TORCH)"
 	$(NEMO_VENV)/bin/pip install -q -e ".[dev,nemo]" "$(TORCH)"
-	$(NEMO_VENV)/bin/nemo-dcr build-kernels
 	touch $@
 
 test-nemo: $(NEMO_VENV)/.setup-done
@@ -79,5 +81,18 @@ bench-plan: bench-refit bench-relay plan-validate
 lint: setup
 	$(BIN)/ruff check .
 
+# The package as users get it: a wheel (portable CPU flags, as one meant for other machines),
+# installed non-editable in a fresh .venv-wheel, checked from outside the source tree by
+# tests/smoke/wheel_smoke.py (kernels loaded, configs found, golden diff/patch round trip).
+WHEEL_VENV := .venv-wheel
+wheel-smoke: setup
+	rm -rf dist build $(WHEEL_VENV)
+	NEMO_DCR_PORTABLE=1 $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install -q "$(TORCH)"
+	$(WHEEL_VENV)/bin/pip install -q dist/nemo_dcr_callback-*.whl "$(TORCH)"
+	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
+
 clean:
-	rm -rf $(VENV) cuda_ext/build .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(WHEEL_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
+	rm -f nemo_dcr_callback/_lib/*.so nemo_dcr_callback/_lib/BUILD.json

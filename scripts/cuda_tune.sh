@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tries tuning variants of the CUDA kernels on this GPU. Each variant is a set of -DDCR_* knobs
-# (documented at the top of cuda_ext/cuda/dcr_cuda.cu), built with its own
-# NEMO_DCR_CUDA_DEFINES, checked against the CPU reference and timed by bench_cuda; a table of
-# the variants comes last, and $OUT/cuda_tune.json (else benchmarks/results/cuda_tune.json).
+# (documented at the top of cuda_ext/cuda/dcr_cuda.cu), built into a folder of its own by
+# `cuda_ext/build.py --cuda --defines`, loaded through NEMO_DCR_CUDA_LIB, checked against the CPU
+# reference and timed by bench/cuda.py; a table of the variants comes last, and
+# $OUT/cuda_tune.json (else benchmarks/results/cuda_tune.json).
 #   bash scripts/cuda_tune.sh                      # the variants below
 #   bash scripts/cuda_tune.sh "" "-DDCR_BLOCK=128"  # these ("" is the defaults)
 # Needs what scripts/device_check.sh needs; about 20 s per variant on an H200.
@@ -18,13 +19,19 @@ else
             "-DDCR_BLOCK=128" "-DDCR_BLOCK=512" "-DDCR_STREAM_BASE=1" "-DDCR_SLEEP_NS=0" "-DDCR_PERSIST=1"
             "-DDCR_PERSIST=1 -DDCR_BLOCK=128" "-DDCR_PERSIST=1 -DDCR_BLOCK=512" "-DDCR_PERSIST=1 -DDCR_STREAM_BASE=1")
 fi
+# The CPU kernels (the reference's compiled path), once for every variant.
+[ -f nemo_dcr_callback/_lib/libdcr_cpu.so ] || $PY cuda_ext/build.py -q \
+  || echo "cuda_tune: no compiled CPU kernels: the pure-torch reference is used" >&2
 tmp=$(mktemp -d)
 jsons=()
 for i in "${!variants[@]}"; do
   v=${variants[$i]}
   t0=$(date +%s)
-  NEMO_DCR_CUDA_DEFINES="$v" $PY -m nemo_dcr_callback.bench.cuda --sizes-mib "$SIZES" --json "$tmp/$i.json" \
-    >"$tmp/$i.log" 2>&1
+  if ! $PY cuda_ext/build.py -q --cuda --no-cpu --defines "$v" --out "$tmp/$i" >"$tmp/$i.log" 2>&1; then
+    echo "== variant $i (${v:-defaults}): build failed"; tail -15 "$tmp/$i.log"; continue
+  fi
+  NEMO_DCR_CUDA_LIB="$tmp/$i/libdcr_cuda.so" $PY -m nemo_dcr_callback.bench.cuda --sizes-mib "$SIZES" \
+    --json "$tmp/$i.json" >>"$tmp/$i.log" 2>&1
   rc=$?
   echo "== variant $i (${v:-defaults}): exit $rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$tmp/$i.log")"
   if [ $rc -ne 0 ]; then tail -15 "$tmp/$i.log"; fi

@@ -6,7 +6,7 @@
 # sender's side stream), times delta and apply against a device-to-device copy of the same
 # bytes, writes $OUT/cuda.json (else benchmarks/results/cuda.json) and prints a table last.
 # Needs only python3 with a CUDA torch (pip-installed if torch is missing) and nvcc; about a
-# minute on an H200. The logic is in nemo_dcr_callback/bench_cuda.py; this stays thin.
+# minute on an H200. The logic is in nemo_dcr_callback/bench/cuda.py; this stays thin.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,18 +30,14 @@ if [ "$cuda" != "True" ]; then
   exit 2
 fi
 
-echo "== build: CPU kernels (the reference's compiled path; the torch reference if this fails)"
-$PY -m nemo_dcr_callback.core.kernels || echo "   (no compiled CPU kernels: the pure-torch reference is used)"
+echo "== build: CPU kernels (cuda_ext/build.py into nemo_dcr_callback/_lib; the torch reference if this fails)"
+$PY cuda_ext/build.py || echo "   (no compiled CPU kernels: the pure-torch reference is used)"
 
 echo "== build: CUDA kernels ($(command -v nvcc || echo 'nvcc not on PATH'))"
-lib=$($PY -c 'from nemo_dcr_callback import cuda_kernels as c; print(c.library_path())')
-if [ -f "$lib" ]; then
-  echo "   prebuilt: $lib"
-else
-  t0=$(date +%s)
-  $PY -m nemo_dcr_callback.core.cuda_kernels || { echo "device_check: nvcc build failed" >&2; exit 2; }
-  echo "   built in $(( $(date +%s) - t0 )) s: $lib"
-fi
+t0=$(date +%s)
+$PY cuda_ext/build.py --cuda --no-cpu || { echo "device_check: nvcc build failed" >&2; exit 2; }
+echo "   built in $(( $(date +%s) - t0 )) s"
+$PY -c 'from nemo_dcr_callback.tools import doctor; print(doctor.render(doctor.report()))'
 
 echo "== check and time (nemo_dcr_callback.bench.cuda $*)"
 $PY -m nemo_dcr_callback.bench.cuda "$@"

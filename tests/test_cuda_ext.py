@@ -3,13 +3,15 @@
 Without a GPU (CI): nvcc compiles the .cu with the production line; the same source built by
 g++ against cuda_emu.h runs the kernels' logic on CPU fibers through the same Python rounds
 (cuda_kernels.take_with / scatter_with), checked against the CPU reference; plus dispatch,
-build line, CLI and config checks. With a GPU (scripts/device_check.sh runs these and more):
-the real kernels against the reference.
+build line (cuda_ext/build.py), loading, CLI and config checks. With a GPU
+(scripts/device_check.sh runs these and more): the real kernels against the reference.
 """
 
 from __future__ import annotations
 
-import shutil
+import argparse
+import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -24,20 +26,30 @@ from nemo_dcr_callback.core.bitops import bits
 from nemo_dcr_callback.sender import delta
 
 REPO = Path(__file__).resolve().parent.parent
-CUDA_DIR = REPO / "cuda_ext" / "cuda"
 GPU = torch.cuda.is_available()
 DTYPES = FLOAT_DTYPES + [torch.int8, torch.float64]
+
+
+def _build_module():
+    """cuda_ext/build.py, the one place the compile lines live (setup.py loads it the same way)."""
+    spec = importlib.util.spec_from_file_location("cuda_ext_build_under_test", REPO / "cuda_ext" / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+build = _build_module()
 
 
 # ------------------------------------------------------------------ nvcc compile check
 @pytest.fixture(scope="module")
 def nvcc_build(tmp_path_factory):
-    if cuda_kernels.nvcc_path() is None:
+    if build.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    out = tmp_path_factory.mktemp("cuda") / "libdcr_cuda.so"
+    out_dir = tmp_path_factory.mktemp("cuda")
     t0 = time.perf_counter()
-    cuda_kernels.build(out=out)
-    return out, time.perf_counter() - t0
+    entry = build.build_cuda(out_dir, defines=build.env_defines())
+    return out_dir / entry["library"], time.perf_counter() - t0
 
 
 def test_nvcc_compiles_the_kernels(nvcc_build):
@@ -47,7 +59,7 @@ def test_nvcc_compiles_the_kernels(nvcc_build):
     # Loading and the host-side entry points need no GPU (the CUDA runtime is linked statically).
     lib = cuda_kernels.load(path)
     assert lib.dcr_cuda_abi_version() == cuda_kernels.ABI_VERSION
-    if not cuda_kernels.tuning_defines():  # the default tile: 512 threads x 4 vectors x 8 BF16
+    if not build.env_defines():  # the default tile: 512 threads x 4 vectors x 8 BF16
         assert lib.dcr_cuda_delta_min_cap(2) == 512 * 4 * 8
     assert lib.dcr_cuda_delta_min_cap(3) == -9
     assert lib.dcr_cuda_delta_workspace(0) >= 16
@@ -72,7 +84,7 @@ def test_nvcc_library_refuses_bad_arguments_before_any_launch(nvcc_build):
 
 
 def test_build_line():
-    cmd = cuda_kernels.nvcc_command("nvcc", Path("x.cu"), Path("x.so"))
+    cmd = build.nvcc_command("nvcc", Path("x.cu"), Path("x.so"))
     line = " ".join(cmd)
     for flag in ("-O3", "-shared", "-Xcompiler -fPIC", "-cudart static",
                  "-gencode arch=compute_90,code=sm_90", "-gencode arch=compute_90,code=compute_90",
@@ -81,35 +93,47 @@ def test_build_line():
     assert cmd[-3:] == ["x.cu", "-o", "x.so"]
 
 
-def test_library_path_follows_the_source(tmp_path, monkeypatch):
-    src = tmp_path / "dcr_cuda.cu"
-    src.write_text("// one\n")
-    monkeypatch.setattr(cuda_kernels, "SOURCE", src)
-    monkeypatch.setenv("NEMO_DCR_BUILD_DIR", str(tmp_path / "build"))
-    first = cuda_kernels.library_path()
-    assert first.parent == tmp_path / "build" and first.name.startswith("libdcr_cuda-")
-    src.write_text("// two\n")
-    assert cuda_kernels.library_path() != first
+def test_library_path_is_the_package_copy_or_the_env(tmp_path, monkeypatch):
+    """Run time loads the library inside the package (or $NEMO_DCR_CUDA_LIB), never cuda_ext/."""
+    monkeypatch.delenv("NEMO_DCR_CUDA_LIB", raising=False)
+    assert cuda_kernels.library_path() == kernels.LIB_DIR / "libdcr_cuda.so"
+    assert kernels.LIB_DIR == Path(cuda_kernels.__file__).resolve().parents[1] / "_lib"
+    monkeypatch.setenv("NEMO_DCR_CUDA_LIB", str(tmp_path / "variant" / "libdcr_cuda.so"))
+    assert cuda_kernels.library_path() == tmp_path / "variant" / "libdcr_cuda.so"
+    (tmp_path / "variant").mkdir()
+    build.write_build_info(tmp_path / "variant", cuda={"defines": ["-DDCR_BLOCK=128"]})
+    assert cuda_kernels.build_info()["defines"] == ["-DDCR_BLOCK=128"]  # what bench cuda records
 
 
-def test_build_without_nvcc_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(cuda_kernels, "nvcc_path", lambda: None)
-    with pytest.raises(RuntimeError, match="nvcc not found"):
-        cuda_kernels.build()
+def test_env_library_is_the_one_loaded(tmp_path, monkeypatch):
+    """NEMO_DCR_CUDA_LIB is honoured by library() itself (a fresh process: the load is once)."""
+    code = ("import torch; torch.cuda.is_available = lambda: True\n"
+            "from nemo_dcr_callback.core import cuda_kernels as c\n"
+            "assert c.library() is None and c.library() is None\n")
+    env = {**os.environ, "NEMO_DCR_CUDA_LIB": str(tmp_path / "missing.so")}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert str(tmp_path / "missing.so") in p.stderr and "$NEMO_DCR_CUDA_LIB" in p.stderr
+    assert p.stderr.count("CUDA kernels are unavailable") == 1 and "build-kernels --cuda" in p.stderr
+
+
+def test_build_without_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(build.BuildError, match="nvcc not found"):
+        build.build_cuda(tmp_path)
+    assert not (tmp_path / "libdcr_cuda.so").exists()
 
 
 # ------------------------------------------------------------------ the kernels on CPU fibers
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     """dcr_cuda.cu built with g++ against cuda_emu.h: the real kernel code, run on the CPU."""
-    cxx = shutil.which("g++") or shutil.which("c++")
+    cxx = build.find_cxx()
     if cxx is None:
         pytest.skip("no C++ compiler")
     out = tmp_path_factory.mktemp("emu") / "libdcr_cuda_emu.so"
     # $NEMO_DCR_CUDA_DEFINES reaches this build too, so each tuning variant's logic can be checked.
-    subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-DDCR_EMULATE", *cuda_kernels.tuning_defines(),
-                    "-include", str(CUDA_DIR / "cuda_emu.h"), "-x", "c++", str(CUDA_DIR / "dcr_cuda.cu"),
-                    "-o", str(out)], check=True)
+    build.compile_to(out, lambda tmp: build.emulation_command(cxx, tmp, build.env_defines()))
     return cuda_kernels.load(out)
 
 
@@ -224,7 +248,7 @@ def test_cpu_tensors_never_reach_the_cuda_path(monkeypatch):
 
     monkeypatch.setattr(cuda_kernels, "take_delta_cuda", boom)
     monkeypatch.setattr(cuda_kernels, "scatter_cuda", boom)
-    monkeypatch.setattr(cuda_kernels, "build", boom)
+    monkeypatch.setattr(cuda_kernels, "library", boom)
     g = torch.Generator().manual_seed(1)
     old = random_tensor((4099,), torch.bfloat16, g)
     new = perturb(old, 0.05, g)
@@ -237,8 +261,8 @@ def test_cpu_tensors_never_reach_the_cuda_path(monkeypatch):
 
 
 @pytest.mark.skipif(GPU, reason="checks the CPU-only behaviour")
-def test_no_cuda_means_no_library_and_no_build(monkeypatch):
-    monkeypatch.setattr(cuda_kernels, "build", lambda *a, **k: pytest.fail("must not build without CUDA"))
+def test_no_cuda_means_no_library_loaded(monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "load", lambda *a, **k: pytest.fail("must not load without CUDA"))
     assert cuda_kernels.library() is None and not cuda_kernels.available()
     with pytest.raises(RuntimeError, match="unavailable"):
         cuda_kernels._require()
@@ -297,15 +321,21 @@ def test_yaml_documents_every_option():
     assert set(doc) - {"_target_"} == {f.name for f in dataclasses.fields(DCRConfig)}
 
 
-def test_cli_build_kernels_cuda_flag(monkeypatch, capsys):
-    from nemo_dcr_callback import cli
+def test_build_kernels_cuda_without_nvcc(monkeypatch, capsys, tmp_path):
+    """`nemo-dcr build-kernels --cuda` (tools.doctor.run_build) in a checkout without nvcc: exit 2, said why."""
+    from nemo_dcr_callback.tools import doctor
 
-    assert cli.build_parser().parse_args(["build-kernels", "--cuda"]).cuda
-    assert not cli.build_parser().parse_args(["build-kernels"]).cuda
-    monkeypatch.setattr(kernels, "build", lambda verbose=False: Path("cpu.so"))
-    monkeypatch.setattr(cuda_kernels, "nvcc_path", lambda: None)
-    assert cli.main(["build-kernels", "--cuda"]) == 2
+    p = argparse.ArgumentParser()
+    doctor.add_build_arguments(p)
+    assert p.parse_args(["--cuda"]).cuda and not p.parse_args([]).cuda
+    mod = _build_module()
+    monkeypatch.setattr(mod, "find_nvcc", lambda: None)
+    monkeypatch.setattr(mod, "build_cpu", lambda out_dir, **kw: {"library": "libdcr_cpu.so"})
+    monkeypatch.setattr(doctor, "_build_module", lambda path: mod)
+    assert doctor.run_build(p.parse_args(["--cuda", "--out", str(tmp_path)])) == 2
     assert "nvcc not found" in capsys.readouterr().err
+    assert doctor.run_build(p.parse_args(["--defines", "DCR_BLOCK=128", "--out", str(tmp_path)])) == 2
+    assert "add --cuda" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(GPU, reason="checks the CPU-only behaviour")
@@ -389,17 +419,26 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ tuning variants (no GPU needed)
-def test_tuning_defines_are_checked_and_tag_the_build(monkeypatch):
-    """NEMO_DCR_CUDA_DEFINES takes -DDCR_* knobs only, and a variant gets its own library file."""
+def test_tuning_defines_reach_the_nvcc_command(monkeypatch, tmp_path):
+    """-DDCR_* knobs (--defines, else NEMO_DCR_CUDA_DEFINES) reach the nvcc line; nothing else is taken."""
     monkeypatch.delenv("NEMO_DCR_CUDA_DEFINES", raising=False)
-    default = cuda_kernels.library_path()
+    assert build.env_defines() == []
     monkeypatch.setenv("NEMO_DCR_CUDA_DEFINES", "-DDCR_BLOCK=256 -DDCR_FENCE=2")
-    assert cuda_kernels.tuning_defines() == ["-DDCR_BLOCK=256", "-DDCR_FENCE=2"]
-    assert cuda_kernels.library_path() != default
-    assert "-DDCR_BLOCK=256" in cuda_kernels.nvcc_command("nvcc", cuda_kernels.SOURCE, Path("x.so"))
+    assert build.env_defines() == ["-DDCR_BLOCK=256", "-DDCR_FENCE=2"]
+    assert build.check_defines("DCR_BLOCK=256 -DDCR_FENCE=2") == ["-DDCR_BLOCK=256", "-DDCR_FENCE=2"]
+    cmd = build.nvcc_command("nvcc", build.CUDA_SOURCE, Path("x.so"), build.env_defines())
+    assert "-DDCR_BLOCK=256" in cmd and "-DDCR_FENCE=2" in cmd and cmd[-3:] == [str(build.CUDA_SOURCE), "-o", "x.so"]
+    seen = []
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/opt/nvcc")
+    monkeypatch.setattr(build, "compile_to", lambda out, command, verbose=False: seen.append(command(out)) or out)
+    monkeypatch.setattr(build, "_version", lambda tool: "")
+    assert build.main(["--cuda", "--no-cpu", "-q", "--defines", "-DDCR_BLOCK=128", "--out", str(tmp_path)]) == 0
+    assert seen[0][0] == "/opt/nvcc" and "-DDCR_BLOCK=128" in seen[0] and "-DDCR_BLOCK=256" not in seen[0]
+    assert build.write_build_info(tmp_path) and (tmp_path / "BUILD.json").read_text().count("DCR_BLOCK=128") == 1
     monkeypatch.setenv("NEMO_DCR_CUDA_DEFINES", "-O0 -DDCR_BLOCK=256")
-    with pytest.raises(RuntimeError, match="-DDCR_"):
-        cuda_kernels.tuning_defines()
+    with pytest.raises(build.BuildError, match="-DDCR_"):
+        build.env_defines()
+    assert build.main(["--cuda", "--no-cpu", "--defines", "-O0", "--out", str(tmp_path)]) == 2
 
 
 def test_tune_summary_table(tmp_path, capsys):

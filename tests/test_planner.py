@@ -3,6 +3,8 @@ times those benchmarks measured (docs/PLANNER.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nemo_dcr_callback.cli import main
@@ -86,3 +88,10 @@ def test_gpu_rates_come_from_the_device_check(tmp_path):
         shutil.copy(planner.RESULTS / name, tmp_path / name)
     bare = planner.Coefficients.load(tmp_path)
     assert bare.gpu_kernel_gbps == 3360.0 and "assumed" in bare.sources["gpu_kernel_gbps, gpu_apply_gbps"]
+
+
+def test_the_packaged_calibration_is_the_committed_results():
+    """An installed planner reads planner_calibration.json; it must be what the results give
+    (make plan-validate rewrites it: nemo-dcr plan --calibrate)."""
+    assert planner.Coefficients.load() == planner.Coefficients.load(planner.RESULTS)
+    assert planner.CALIBRATION.parent == Path(planner.__file__).parent

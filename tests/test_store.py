@@ -16,11 +16,13 @@ print(before, len(gc.get_objects()), gc.get_freeze_count())
 
 
 def test_a_store_chain_reaching_s3_is_frozen_out_of_the_collectors_scans():
-    """A chain with S3 in it holds boto3's service model (about 220K tracked objects; a full
-    collection scanning them took about 120 ms of CPU in relays and receivers). After
-    freeze_long_lived() a collection scans none of them. In a fresh interpreter: freezing is
-    process-wide."""
+    """A chain with S3 in it holds boto3's service model (about 70K tracked objects; with torch,
+    which every long-lived process imports, about 220K, and a full collection scanning them
+    took about 120 ms of CPU in relays and receivers). After freeze_long_lived() a collection
+    scans none of them. In a fresh interpreter: freezing is process-wide. (The relay client no
+    longer imports the relay server, and with it aiohttp and torch: this chain alone holds
+    boto3's objects only.)"""
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout
     before, after, frozen = map(int, out.split())
-    assert before > 100_000, before  # (what makes it worth doing)
+    assert before > 50_000, before  # (what makes it worth doing)
     assert after < 1000 and frozen >= before - 1000, (before, after, frozen)

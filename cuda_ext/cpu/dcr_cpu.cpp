@@ -574,6 +574,17 @@ extern "C" {
 
 int dcr_abi_version() { return 1; }
 
+// The SIMD path the run-time dispatch picks for the hot loops (the BF16 delta pass, the encoder):
+// 2 AVX-512, 1 AVX2, 0 portable scalar code. The same CPU checks and environment switches as
+// delta_mt, read at each call as there. `nemo-dcr doctor` reports it.
+int dcr_simd_path() {
+#if defined(__x86_64__)
+  if (have_avx512() && !std::getenv("NEMO_DCR_NO_AVX512")) return 2;
+  if (have_avx2() && !std::getenv("NEMO_DCR_NO_AVX2")) return 1;
+#endif
+  return 0;
+}
+
 // Fused delta pass. pos/val (and newv, optional: the new values, for the encoder) are
 // scratch buffers with room for n + 64 * (nthreads + 1) elements. Returns the number of
 // changed elements; pos/val/newv[0:count] hold them in order.

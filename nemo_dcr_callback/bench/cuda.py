@@ -366,13 +366,14 @@ def run(sizes_mib: list[int], rates: list[float], reps: int = 10, json_path: str
         print("nemo-dcr bench cuda: error: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     if cuda_kernels.library() is None:
-        print("nemo-dcr bench cuda: error: the CUDA kernels did not build or load", file=sys.stderr)
+        print(f"nemo-dcr bench cuda: error: the CUDA kernels did not load ({cuda_kernels.library_path()}; "
+              "build them with `python cuda_ext/build.py --cuda` or `nemo-dcr build-kernels --cuda`)", file=sys.stderr)
         return 2
-    defines = cuda_kernels.tuning_defines()
+    defines = cuda_kernels.build_info().get("defines", [])  # a tuning variant's knobs (scripts/cuda_tune.sh)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"library {cuda_kernels.library_path().name}{' ' + ' '.join(defines) if defines else ''}", flush=True)
-    result: dict = {"device": props.name, "torch": torch.__version__, "library": cuda_kernels.library_path().name,
+          f"library {cuda_kernels.library_path()}{' ' + ' '.join(defines) if defines else ''}", flush=True)
+    result: dict = {"device": props.name, "torch": torch.__version__, "library": str(cuda_kernels.library_path()),
                     "targets": TARGETS, "definition": "GB/s of input: n x element size / median kernel time",
                     "defines": defines}
     failures: list[str] = []

@@ -31,12 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from nemo_dcr_callback.bench.links import JsonProc, ShapedLink, in_ns
 from nemo_dcr_callback.bench.procstat import cpu_s, host_busy_s
-from nemo_dcr_callback.bench.refit import JsonProc, ShapedLink
 from nemo_dcr_callback.bench.results import machine, write_json
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
@@ -88,14 +90,13 @@ def receiver_main(args: list[str]) -> int:
     return 0
 
 
-def _in_ns(ns: str | None, cmd: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", ns, *cmd] if ns else cmd
-
-
-def _relay(ns, host, parent, name, env, work, access_log: Path | None = None) -> tuple[JsonProc, str]:
-    p = JsonProc(_in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
-                          "--listen", f"{host}:0", "--poll-ms", "5",
-                          *(["--access-log", str(access_log)] if access_log else [])]), env, work / f"relay-{name}.log")
+def _start_relay(ns: str | None, host: str, parent: str, name: str, env: dict, work: Path,
+                 access_log: Path | None = None) -> tuple[JsonProc, str]:
+    """A `nemo-dcr relay` process in namespace ns listening on host, and its URL once it listens."""
+    p = JsonProc(in_ns(ns, [sys.executable, "-m", "nemo_dcr_callback.cli", "relay", "--parent", parent, "--name", name,
+                            "--listen", f"{host}:0", "--poll-ms", "5",
+                            *(["--access-log", str(access_log)] if access_log else [])]),
+                 env, work / f"relay-{name}.log")
     return p, p.next(60)["listening"]
 
 
@@ -152,7 +153,7 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
     keys = [f"bench/part-{i:04d}.bin" for i in range(parts)]
     for k in keys:
         origin.put(k, os.urandom(part_mb << 20), durable=False)
-    proc, url = _relay(None, "127.0.0.1", origin.url, "loopback", env, work)
+    proc, url = _start_relay(None, "127.0.0.1", origin.url, "loopback", env, work)
     try:
         base = "http://" + url.split("//")[1]
         warm = subprocess.run([sys.executable, "-m", "nemo_dcr_callback.bench.relay", "client", base,
@@ -181,199 +182,230 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
 
 
 # ------------------------------------------------------------------ the run
-def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 5,
-        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed",
-        rounds: int = 1, access_logs: str | None = None) -> dict:
-    from safetensors.torch import save, save_file
+def _layouts(per_region: int) -> dict[str, dict[str, int]]:
+    """Receivers per region of each scenario."""
+    return {"dense-s3": {"a": per_region, "b": per_region}, "dcr-s3": {"a": per_region, "b": per_region},
+            "dcr-relay": {"a": per_region, "b": per_region}, "dcr-relay-1": {"a": 1, "b": 0}}
 
-    from nemo_dcr_callback import codec
+
+@dataclass
+class _Run:
+    """What the scenarios of one run share. The weights move on version by version through
+    every scenario (cur: the newest BF16 weights), each starting where the last one ended."""
+
+    policy: Any
+    lr: float
+    cur: dict[str, torch.Tensor]
+    dense_bytes: int
+    versions: int
+    apply: str
+    work: Path
+    token: str
+    s3: Any  # SeaweedS3
+    links: dict[str, ShapedLink]
+    env: dict
+    logs: Path | None  # each relay's access log, per scenario and round
+
+    def log_for(self, tag: str, name: str) -> Path | None:
+        return self.logs / f"{tag}-{name}.jsonl" if self.logs else None
+
+
+class _Meters:
+    """A scenario's per-version counters: CPU-s of each process but the receivers, and the
+    requests each relay served and made of its parent."""
+
+    def __init__(self, run: _Run, relays: list[JsonProc], relay_urls: list[str]):
+        self.run, self.relays, self.relay_urls = run, relays, relay_urls
+
+    def cpu(self) -> dict[str, float]:
+        return {**{f"relay-{i}": cpu_s(p.p.pid) for i, p in enumerate(self.relays)},
+                "s3": cpu_s(self.run.s3.proc.pid), "sender": time.process_time()}
+
+    def requests(self) -> dict[str, dict[str, int]]:
+        """Requests each relay has served, by kind, and made of its parent ("up_" + call)."""
+        from nemo_dcr_callback.transport.relay_store import RelayStore
+
+        out = {}
+        for i, u in enumerate(self.relay_urls):
+            st = RelayStore(u, token=self.run.token).stats()
+            out[f"relay-{i}"] = {**st["requests"], **{f"up_{k}": n for k, n in st["upstream"].items()}}
+        return out
+
+
+def _start_tree(run: _Run, name: str, regions: dict[str, int], tag: str, init: Path, store,
+                relays: list[JsonProc], relay_urls: list[str], rx: list[JsonProc]):
+    """Start a scenario's relays (dcr-relay*: a root relay, one per region) and receivers,
+    appending each process as it starts (the caller kills them); the store the sender writes to."""
+    s3_url = run.s3.url(f"{run.s3.bucket}/{tag}")
+    root_url = None
+    if name.startswith("dcr-relay"):
+        from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
+
+        p, root_url = _start_relay(None, run.links["a"].ip_a, s3_url, "root", run.env, run.work,
+                                   run.log_for(tag, "root"))
+        relays.append(p)
+        relay_urls.append(root_url)
+        # the sender (and committer) writes through the root relay, which passes every
+        # object on to S3 and down the tree at once; S3 stays the failover
+        store = FailoverStore([RelayStore(root_url, token=run.token), store])
+    for region, n in regions.items():
+        link = run.links[region]
+        if not n:
+            continue
+        url = s3_url
+        if root_url:
+            p, rurl = _start_relay(link.ns, link.ip_b, f"{root_url},{s3_url}", f"region-{region}", run.env,
+                                   run.work, run.log_for(tag, f"region-{region}"))
+            relays.append(p)
+            relay_urls.append(rurl)
+            url = f"{rurl},{root_url},{s3_url}"
+        for i in range(n):
+            rx.append(JsonProc(in_ns(link.ns, [
+                sys.executable, "-m", "nemo_dcr_callback.bench.relay", "receiver", "--url", url,
+                "--dense-url", s3_url, "--init", str(init), "--id", f"{region}-{i}",
+                "--versions", "0" if name == "dense-s3" else str(run.versions), "--apply", run.apply]),
+                run.env, run.work / f"rx-{tag}-{region}-{i}.log"))
+    return store
+
+
+def _idle_busy(name: str) -> None:
+    """Everyone up and idle: print what the waiting itself costs the host."""
+    b0, w0 = host_busy_s(), time.time()
+    time.sleep(2.0)
+    idle = (host_busy_s() - b0) / (time.time() - w0)
+    print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
+
+
+def _version(run: _Run, name: str, v: int, sender, store, rx: list[JsonProc], rx_cpu0: list[float],
+             meters: _Meters) -> tuple[dict, list[float]]:
+    """One version: an optimizer step, streamed, sealed and committed, timed to every
+    receiver's apply. Its row, and the receivers' CPU-s so far."""
     from nemo_dcr_callback.protocol import commit
-    from nemo_dcr_callback.testing import synthetic
+
+    run.policy.step(run.lr)
+    run.cur = run.policy.bf16()
+    t0 = time.time()
+    q0 = meters.requests()
+    busy0, c0 = host_busy_s(), meters.cpu()
+    sender.tensors = run.cur
+    _, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
+    t_streamed = time.time() - t0
+    rec = commit.seal_version(store, v, v - 1, 1)
+    t_sealed = time.time() - t0
+    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
+    t_decided = time.time() - t0
+    if d["decision"] != "commit":
+        raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
+    sender.commit()
+    got = [r.next() for r in rx]
+    host_busy, c1 = host_busy_s() - busy0, meters.cpu()
+    cpu_by = {k: c1[k] - c0[k] for k in c0}
+    q1 = meters.requests()
+    req_by = {r: {k: n - q0[r].get(k, 0) - (k == "stats") for k, n in q1[r].items()} for r in q0}
+    ends = sorted(g["t_applied"] - t0 for g in got)
+    rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, rx_cpu0, strict=True))
+    acks = sorted(json.loads(store.get(commit.ack_key(v, r)))["time"] - t0 for r in d["acked"])
+    row = {"version": v, "delta_bytes": m["bytes"], "first_s": ends[0], "last_s": ends[-1],
+           "sender_s": {"streamed": t_streamed, "sealed": t_sealed, "decided": t_decided},
+           "acks_s": acks, "host_busy_cpu_s": host_busy, "cpu_s_by": cpu_by,
+           "requests_by": req_by,
+           "acked": len(d["acked"]), "receiver_cpu_s": rx_cpu,
+           "fetch_s": [g["fetch_s"] for g in got], "apply_s": [g["apply_s"] for g in got],
+           "commit_wait_s": [g["wait_s"] for g in got]}
+    _print_version(name, row, len(rx))
+    return row, [g["cpu_s"] for g in got]
+
+
+def _print_version(name: str, row: dict, receivers: int) -> None:
+    s, acks, req_by = row["sender_s"], row["acks_s"], row["requests_by"]
+    print(f"  {name}: version {row['version']}: {row['delta_bytes'] / 1e6:.2f} MB, first receiver "
+          f"{row['first_s']:.2f} s, last of {receivers} {row['last_s']:.2f} s; receivers used "
+          f"{row['receiver_cpu_s']:.2f} CPU-s (sender: streamed {s['streamed']:.2f} s, sealed {s['sealed']:.2f} s, "
+          f"acks {acks[0]:.2f}-{acks[-1]:.2f} s, decided {s['decided']:.2f} s; the host busy "
+          f"{row['host_busy_cpu_s']:.2f} CPU-s: " + ", ".join(f"{k} {x:.2f}" for k, x in row["cpu_s_by"].items()) + ")"
+          + ("; requests served (made upstream): " + ", ".join(
+              f"{r} {sum(n for k, n in q.items() if not k.startswith('up_'))} "
+              f"({sum(n for k, n in q.items() if k.startswith('up_'))})" for r, q in req_by.items())
+             if req_by else ""), flush=True)
+
+
+def _dense_refit(run: _Run, store, rx: list[JsonProc]) -> float:
+    """Upload the full checkpoint; seconds until the last receiver has loaded it."""
+    from safetensors.torch import save
+
+    t0 = time.time()
+    store.put("dense/model.safetensors", save(run.cur))
+    store.put("dense/READY.json", b"{}")
+    return max(r.next()["dense_t_loaded"] for r in rx) - t0
+
+
+def _check_bits(run: _Run, name: str, rx: list[JsonProc]) -> None:
+    """The oracle: every receiver's bits against the sender's dense BF16 weights."""
+    from nemo_dcr_callback import codec
+
+    want = {k: codec.tensor_digest(t) for k, t in run.cur.items()}
+    bad = [i for i, r in enumerate(rx) if r.next()["digests"] != want]
+    if bad:
+        raise RuntimeError(f"{name}: receivers {bad} differ from the dense weights")
+
+
+def _scenario(run: _Run, name: str, regions: dict[str, int], tag: str | None = None) -> dict:
+    """One scenario, from the current weights: its result (a DCR scenario's versions summed up)."""
+    from safetensors.torch import save_file
+
     from nemo_dcr_callback.testing.tensor_sender import TensorSender
-    from nemo_dcr_callback.transport.seaweed import SeaweedS3
     from nemo_dcr_callback.transport.store import freeze_long_lived
 
-    layouts = {"dense-s3": {"a": per_region, "b": per_region}, "dcr-s3": {"a": per_region, "b": per_region},
-               "dcr-relay": {"a": per_region, "b": per_region}, "dcr-relay-1": {"a": 1, "b": 0}}
-    scenarios = scenarios or [*layouts, "loopback"]
-    bad = [n for n in scenarios if n not in layouts and n != "loopback"]
-    if bad:
-        raise ValueError(f"no scenario {bad[0]!r} (one of {', '.join(layouts)}, loopback)")
-    t_start = time.time()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
-    print(f"nemo-dcr bench relay: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
-    policy = synthetic.make_policy(params, seed=seed)
-    lr = policy.lr_for_rate(rate)
-    cur = policy.bf16()
-    dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
-    work = Path(tempfile.mkdtemp(prefix="nemo-dcr-relay."))
-    token = os.urandom(16).hex()
-    scen_rows = []
-    logs = Path(access_logs) if access_logs else None  # each relay's access log, per scenario and round
-    if logs:
-        logs.mkdir(parents=True, exist_ok=True)
+    tag = tag or name  # a round after the first gets a store prefix of its own
+    store = run.s3.store(tag)
+    init = run.work / f"init-{tag}.safetensors"
+    save_file(run.cur, str(init))
+    relays: list[JsonProc] = []
+    relay_urls: list[str] = []  # in the order of relays: root, then one per region
+    rx: list[JsonProc] = []
+    try:
+        store = _start_tree(run, name, regions, tag, init, store, relays, relay_urls, rx)
+        rx_cpu = [r.next(120).get("cpu_s", 0.0) for r in rx]
+        before = {k: link.tx_rx() for k, link in run.links.items()}
+        _idle_busy(name)
+        sender = TensorSender(run.cur)
+        freeze_long_lived()  # the sender's process, as the publisher's worker does
+        meters = _Meters(run, relays, relay_urls)
+        rows = []
+        for v in range(1, (0 if name == "dense-s3" else run.versions) + 1):
+            row, rx_cpu = _version(run, name, v, sender, store, rx, rx_cpu, meters)
+            rows.append(row)
+        dense_last = _dense_refit(run, store, rx) if name == "dense-s3" else None
+        _check_bits(run, name, rx)
+        after = {k: link.tx_rx() for k, link in run.links.items()}
+    finally:
+        for p in [*relays, *rx]:
+            p.kill()
+    if name == "dense-s3":
+        link_bytes = {k: after[k][0] - before[k][0] for k in run.links}
+        print(f"  {name}: last of {len(rx)} receivers loaded {dense_last:.1f} s after the step", flush=True)
+        return {"scenario": name, "receivers": len(rx), "time_s": dense_last, "bytes_per_version": run.dense_bytes,
+                "link_bytes_per_version": link_bytes, "bit_exact": True}  # (_check_bits raised otherwise)
+    nv = max(1, len(rows))
+    return {"scenario": name, "receivers": len(rx), "bit_exact": True,
+            **_dcr_summary(rows, {k: (after[k][0] - before[k][0]) / nv for k in run.links})}
 
-    def log_for(tag: str, name: str) -> Path | None:
-        return logs / f"{tag}-{name}.jsonl" if logs else None
 
-    with ShapedLink(mbit, "10.78.1", "a") as la, ShapedLink(mbit, "10.78.2", "b") as lb, \
-            SeaweedS3(work / "s3", ip=la.ip_a) as s3:
-        links = {"a": la, "b": lb}
-        env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
-        env.pop("NEMO_DCR_RELAY_FAULT", None)
-        print(f"2 regions x {per_region} receivers, inter-region links {mbit:.0f} Mbit/s each (tbf), model "
-              f"{dense_bytes / 1e9:.2f} GB BF16, change {100 * rate:.0f}%, S3 = SeaweedFS at {s3.endpoint}", flush=True)
+def _scenarios(run: _Run, scenarios: list[str], layouts: dict[str, dict[str, int]], rounds: int) -> list[dict]:
+    """Every scenario asked for (but loopback), then the DCR ones again for each further round,
+    in turn (the host drifts between them); one merged result per scenario."""
+    results = [_scenario(run, name, layouts[name]) for name in scenarios if name != "loopback"]
+    for r in range(1, rounds):
+        for name in [n for n in scenarios if n not in ("loopback", "dense-s3")]:
+            results.append(_scenario(run, name, layouts[name], f"{name}-round{r + 1}"))
+    return _merge_rounds(results)
 
-        def scenario(name: str, regions: dict[str, int], tag: str | None = None) -> dict:
-            nonlocal cur
-            tag = tag or name  # a round after the first gets a store prefix of its own
-            prefix = f"{s3.bucket}/{tag}"
-            store = s3.store(tag)
-            init = work / f"init-{tag}.safetensors"
-            save_file(cur, str(init))
-            procs: list[JsonProc] = []
-            rx: list[JsonProc] = []
-            relay_urls: list[str] = []  # in the order of procs: root, then one per region
-            try:
-                root_url = None
-                if name.startswith("dcr-relay"):
-                    from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 
-                    p, root_url = _relay(None, la.ip_a, s3.url(prefix), "root", env, work, log_for(tag, "root"))
-                    procs.append(p)
-                    relay_urls.append(root_url)
-                    # the sender (and committer) writes through the root relay, which passes every
-                    # object on to S3 and down the tree at once; S3 stays the failover
-                    store = FailoverStore([RelayStore(root_url, token=token), store])
-                for region, n in regions.items():
-                    link = links[region]
-                    if not n:
-                        continue
-                    url = s3.url(prefix)
-                    if root_url:
-                        p, rurl = _relay(link.ns, link.ip_b, f"{root_url},{s3.url(prefix)}", f"region-{region}",
-                                         env, work, log_for(tag, f"region-{region}"))
-                        procs.append(p)
-                        relay_urls.append(rurl)
-                        url = f"{rurl},{root_url},{s3.url(prefix)}"
-                    for i in range(n):
-                        rx.append(JsonProc(_in_ns(link.ns, [
-                            sys.executable, "-m", "nemo_dcr_callback.bench.relay", "receiver", "--url", url,
-                            "--dense-url", s3.url(prefix), "--init", str(init), "--id", f"{region}-{i}",
-                            "--versions", "0" if name == "dense-s3" else str(versions), "--apply", apply]),
-                            env, work / f"rx-{tag}-{region}-{i}.log"))
-                cpu = [r.next(120).get("cpu_s", 0.0) for r in rx]
-                procs += rx
-                before = {k: link.tx_rx() for k, link in links.items()}
-                rows = []
-                b0, w0 = host_busy_s(), time.time()
-                time.sleep(2.0)  # everyone up and idle: what the waiting itself costs
-                idle = (host_busy_s() - b0) / (time.time() - w0)
-                print(f"  {name}: idle, the host is busy {idle:.2f} CPU-s per second", flush=True)
-                sender = TensorSender(cur)
-                freeze_long_lived()  # the sender's process, as the publisher's worker does
-                relays = procs[:len(procs) - len(rx)]
-
-                def cpu_now() -> dict[str, float]:  # CPU-s so far of each process but the receivers
-                    return {**{f"relay-{i}": cpu_s(p.p.pid) for i, p in enumerate(relays)},
-                            "s3": cpu_s(s3.proc.pid), "sender": time.process_time()}
-
-                def requests_now() -> dict[str, dict[str, int]]:
-                    """Requests each relay has served, by kind, and made of its parent ("up_" + call)."""
-                    from nemo_dcr_callback.transport.relay_store import RelayStore
-
-                    out = {}
-                    for i, u in enumerate(relay_urls):
-                        st = RelayStore(u, token=token).stats()
-                        out[f"relay-{i}"] = {**st["requests"], **{f"up_{k}": n for k, n in st["upstream"].items()}}
-                    return out
-
-                for v in range(1, (0 if name == "dense-s3" else versions) + 1):
-                    policy.step(lr)
-                    cur = policy.bf16()
-                    t0 = time.time()
-                    q0 = requests_now()
-                    busy0, c0 = host_busy_s(), cpu_now()
-                    sender.tensors = cur
-                    taken, m = sender.stream(store, v, v - 1, part_bytes=1 << 20)
-                    t_streamed = time.time() - t0
-                    rec = commit.seal_version(store, v, v - 1, 1)
-                    t_sealed = time.time() - t0
-                    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
-                    t_decided = time.time() - t0
-                    if d["decision"] != "commit":
-                        raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
-                    sender.commit()
-                    got = [r.next() for r in rx]
-                    host_busy, c1 = host_busy_s() - busy0, cpu_now()
-                    cpu_by = {k: c1[k] - c0[k] for k in c0}
-                    q1 = requests_now()
-                    req_by = {r: {k: n - q0[r].get(k, 0) - (k == "stats") for k, n in q1[r].items()} for r in q0}
-                    ends = sorted(g["t_applied"] - t0 for g in got)
-                    rx_cpu = sum(g["cpu_s"] - c for g, c in zip(got, cpu, strict=True))
-                    cpu = [g["cpu_s"] for g in got]
-                    acks = sorted(json.loads(store.get(commit.ack_key(v, r)))["time"] - t0 for r in d["acked"])
-                    rows.append({"version": v, "delta_bytes": m["bytes"], "first_s": ends[0], "last_s": ends[-1],
-                                 "sender_s": {"streamed": t_streamed, "sealed": t_sealed, "decided": t_decided},
-                                 "acks_s": acks, "host_busy_cpu_s": host_busy, "cpu_s_by": cpu_by,
-                                 "requests_by": req_by,
-                                 "acked": len(d["acked"]), "receiver_cpu_s": rx_cpu,
-                                 "fetch_s": [g["fetch_s"] for g in got], "apply_s": [g["apply_s"] for g in got],
-                                 "commit_wait_s": [g["wait_s"] for g in got]})
-                    print(f"  {name}: version {v}: {m['bytes'] / 1e6:.2f} MB, first receiver {ends[0]:.2f} s, "
-                          f"last of {len(rx)} {ends[-1]:.2f} s; receivers used {rx_cpu:.2f} CPU-s (sender: streamed "
-                          f"{t_streamed:.2f} s, sealed {t_sealed:.2f} s, acks {acks[0]:.2f}-{acks[-1]:.2f} s, "
-                          f"decided {t_decided:.2f} s; the host busy {host_busy:.2f} CPU-s: "
-                          + ", ".join(f"{k} {x:.2f}" for k, x in cpu_by.items()) + ")"
-                          + ("; requests served (made upstream): " + ", ".join(
-                              f"{r} {sum(n for k, n in q.items() if not k.startswith('up_'))} "
-                              f"({sum(n for k, n in q.items() if k.startswith('up_'))})" for r, q in req_by.items())
-                             if req_by else ""), flush=True)
-                dense_last = None
-                if name == "dense-s3":
-                    t0 = time.time()
-                    store.put("dense/model.safetensors", save(cur))
-                    store.put("dense/READY.json", b"{}")
-                    dense_last = max(r.next()["dense_t_loaded"] for r in rx) - t0
-                # the oracle: every receiver's bits against the sender's dense BF16 weights
-                want = {k: codec.tensor_digest(t) for k, t in cur.items()}
-                bad = [i for i, r in enumerate(rx) if r.next()["digests"] != want]
-                exact = not bad
-                if bad:
-                    raise RuntimeError(f"{name}: receivers {bad} differ from the dense weights")
-                after = {k: link.tx_rx() for k, link in links.items()}
-            finally:
-                for p in procs:
-                    p.kill()
-            nv = max(1, len(rows))
-            if name == "dense-s3":
-                link_bytes = {k: after[k][0] - before[k][0] for k in links}
-                res = {"scenario": name, "receivers": len(rx), "time_s": dense_last, "bytes_per_version": dense_bytes,
-                       "link_bytes_per_version": link_bytes, "bit_exact": exact}
-                print(f"  {name}: last of {len(rx)} receivers loaded {dense_last:.1f} s after the step", flush=True)
-            else:
-                res = {"scenario": name, "receivers": len(rx), "bit_exact": exact,
-                       **_dcr_summary(rows, {k: (after[k][0] - before[k][0]) / nv for k in links})}
-            scen_rows.append(res)
-            return res
-
-        for name in [n for n in scenarios if n != "loopback"]:
-            scenario(name, layouts[name])
-        for r in range(1, rounds):  # the DCR scenarios again, in turn: the host drifts between them
-            for name in [n for n in scenarios if n not in ("loopback", "dense-s3")]:
-                scenario(name, layouts[name], f"{name}-round{r + 1}")
-        scen_rows = _merge_rounds(scen_rows)
-    tput = None
-    if "loopback" in scenarios:
-        print("  relay serving rate on loopback ...", flush=True)
-        tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
+def _print_results(res: dict, rounds: int) -> None:
+    """The table of scenarios, then the relay tree's ratio and the loopback rate."""
+    scen_rows, tput = res["scenarios"], res["relay_loopback"]
     by = {r["scenario"]: r for r in scen_rows}
-    both = "dcr-relay" in by and "dcr-relay-1" in by
-    res = {"benchmark": "relay", "apply": apply, "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
-           "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
-           "relay_loopback": tput,
-           "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"] if both else None,
-           "machine": machine(), "wall_s": time.time() - t_start}
+    both = res["all_vs_one"] is not None
     print(f"\n{'scenario':<12} {'recv':>4} {'time s':>8} {'MB/version':>11} {'link A MB':>10} {'link B MB':>10} "
           f"{'A x payload':>12} {'recv CPU-s':>11}")
     for r in scen_rows:
@@ -387,13 +419,59 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         print("per round: " + ", ".join(f"{a:.2f} vs {b:.2f} s = {a / b:.2f}x" for a, b in zip(
             by["dcr-relay"]["round_time_s"], by["dcr-relay-1"]["round_time_s"], strict=True)))
     if both:
-        print(f"relay tree: all {2 * per_region} receivers in {by['dcr-relay']['time_s']:.2f} s vs one in "
-              f"{by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
+        print(f"relay tree: all {2 * res['receivers_per_region']} receivers in {by['dcr-relay']['time_s']:.2f} s vs "
+              f"one in {by['dcr-relay-1']['time_s']:.2f} s = {res['all_vs_one']:.2f}x (target <= 1.3x); "
               f"inter-region bytes per version {by['dcr-relay']['link_x_payload']['a']:.2f}x / "
               f"{by['dcr-relay']['link_x_payload']['b']:.2f}x the payload (target 1x)")
     if tput:
         print(f"one relay on loopback {tput['MB_per_s']:.0f} MB/s (median of {len(tput['trials'])}, {tput['clients']} "
               f"clients on the same 2 cores; target >= 800), {tput['relay_MB_per_cpu_s']:.0f} MB per relay CPU-second")
+
+
+def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_region: int = 4, versions: int = 5,
+        json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed",
+        rounds: int = 1, access_logs: str | None = None) -> dict:
+    """The whole benchmark (module docstring); its result, written to json_path if given."""
+    from nemo_dcr_callback.testing import synthetic
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    layouts = _layouts(per_region)
+    scenarios = scenarios or [*layouts, "loopback"]
+    bad = [n for n in scenarios if n not in layouts and n != "loopback"]
+    if bad:
+        raise ValueError(f"no scenario {bad[0]!r} (one of {', '.join(layouts)}, loopback)")
+    t_start = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up namespaces and servers
+    print(f"nemo-dcr bench relay: building a {params / 1e6:.0f}M-param synthetic policy ...", flush=True)
+    policy = synthetic.make_policy(params, seed=seed)
+    lr = policy.lr_for_rate(rate)
+    cur = policy.bf16()
+    dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
+    work = Path(tempfile.mkdtemp(prefix="nemo-dcr-relay."))
+    token = os.urandom(16).hex()
+    logs = Path(access_logs) if access_logs else None
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+    with ShapedLink(mbit, "10.78.1", "a") as la, ShapedLink(mbit, "10.78.2", "b") as lb, \
+            SeaweedS3(work / "s3", ip=la.ip_a) as s3:
+        env = {**os.environ, **s3.env(), "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
+        env.pop("NEMO_DCR_RELAY_FAULT", None)
+        print(f"2 regions x {per_region} receivers, inter-region links {mbit:.0f} Mbit/s each (tbf), model "
+              f"{dense_bytes / 1e9:.2f} GB BF16, change {100 * rate:.0f}%, S3 = SeaweedFS at {s3.endpoint}", flush=True)
+        state = _Run(policy, lr, cur, dense_bytes, versions, apply, work, token, s3, {"a": la, "b": lb}, env, logs)
+        scen_rows = _scenarios(state, scenarios, layouts, rounds)
+    tput = None
+    if "loopback" in scenarios:
+        print("  relay serving rate on loopback ...", flush=True)
+        tput = relay_throughput(work, {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
+    by = {r["scenario"]: r for r in scen_rows}
+    both = "dcr-relay" in by and "dcr-relay-1" in by
+    res = {"benchmark": "relay", "apply": apply, "params": policy.numel, "dense_bytes": dense_bytes, "link_mbit": mbit,
+           "rate": rate, "receivers_per_region": per_region, "versions": versions, "scenarios": scen_rows,
+           "relay_loopback": tput,
+           "all_vs_one": by["dcr-relay"]["time_s"] / by["dcr-relay-1"]["time_s"] if both else None,
+           "machine": machine(), "wall_s": time.time() - t_start}
+    _print_results(res, rounds)
     shutil.rmtree(work, ignore_errors=True)  # a GB or more of checkpoints and store data per run
     if json_path:
         write_json(json_path, res)

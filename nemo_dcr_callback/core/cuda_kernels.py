@@ -1,19 +1,17 @@
-"""CUDA dispatch: cuda_ext/cuda/dcr_cuda.cu built with nvcc and loaded through ctypes.
+"""CUDA dispatch: cuda_ext/cuda/dcr_cuda.cu, built with nvcc when the package is built, loaded through ctypes.
 
 The same plain C ABI as the CPU library (kernels.py), over device pointers: no torch headers
 or torch C++ ABI, so one build serves any CUDA torch, and the .cu compiles on machines without
-a GPU (CI checks that). `nemo-dcr build-kernels --cuda` builds it; otherwise `library()` builds
-it on first use where a CUDA torch sees a device. Workspace and outputs come from torch's
-caching allocator and kernels run on torch's current stream. docs/CUDA.md has the design.
+a GPU (CI checks that). setup.py builds it into nemo_dcr_callback/_lib/ where nvcc is found
+(docs/BUILD.md); `library()` loads it where a CUDA torch sees a device and never compiles.
+Workspace and outputs come from torch's caching allocator and kernels run on torch's current
+stream. docs/CUDA.md has the design.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -23,11 +21,8 @@ import torch
 from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.core.bitops import SparseDelta, bits, index_dtype
 
-_REPO = Path(__file__).resolve().parents[2]
-SOURCE = _REPO / "cuda_ext" / "cuda" / "dcr_cuda.cu"
+LIB_NAME = "libdcr_cuda.so"
 ABI_VERSION = 1
-# SASS for A100 (sm_80) and H100/H200 (sm_90), PTX for newer chips (the driver JITs it).
-GENCODE = ("arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90", "arch=compute_90,code=compute_90")
 CAP_FRACTION = 0.125  # output buffers hold this fraction of a shard; a denser delta takes more rounds
 BASELINE_PLACES = ("gpu", "pinned")
 
@@ -50,54 +45,16 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-# ------------------------------------------------------------------ build
-def nvcc_path() -> str | None:
-    """nvcc from $NVCC, PATH, $CUDA_HOME or /usr/local/cuda; None if there is none."""
-    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
-def tuning_defines() -> list[str]:
-    """The kernel's tuning knobs from $NEMO_DCR_CUDA_DEFINES (for example "-DDCR_BLOCK=128"):
-    the device check tries variants this way; the defaults in the .cu are the measured best."""
-    flags = os.environ.get("NEMO_DCR_CUDA_DEFINES", "").split()
-    bad = [f for f in flags if not f.startswith("-DDCR_")]
-    if bad:
-        raise RuntimeError(f"NEMO_DCR_CUDA_DEFINES takes -DDCR_<KNOB>=<value> flags only, not {bad}")
-    return flags
-
-
-def nvcc_command(nvcc: str, source: Path, out: Path) -> list[str]:
-    """The compile line: a shared library with the CUDA runtime linked statically (no libcudart
-    needed beside it, so a build carried to another machine of the same driver runs)."""
-    cmd = [nvcc, "-O3", "-std=c++17", "--threads", "0", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-           *tuning_defines()]
-    for g in GENCODE:
-        cmd += ["-gencode", g]
-    return cmd + [str(source), "-o", str(out)]
-
-
-def _source_tag() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(GENCODE).encode())  # a new target list is a new build
-    h.update(" ".join(tuning_defines()).encode())  # and so is another tuning
-    return h.hexdigest()[:16]
-
-
+# ------------------------------------------------------------------ load
 def library_path() -> Path:
-    """The CUDA library's path (kernels.build_dir()), tagged by the source's hash."""
-    return kernels.build_dir() / f"libdcr_cuda-{_source_tag()}.so"
+    """The CUDA library that will be loaded: $NEMO_DCR_CUDA_LIB, else the package's _lib/libdcr_cuda.so."""
+    env = os.environ.get("NEMO_DCR_CUDA_LIB")
+    return Path(env) if env else kernels.LIB_DIR / LIB_NAME
 
 
-def build(verbose: bool = False, out: Path | None = None) -> Path:
-    """Compile the CUDA library with nvcc (no GPU needed). Returns its path."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
-    return kernels.compile_to(out or library_path(), lambda tmp: nvcc_command(nvcc, SOURCE, tmp), verbose)
+def build_info() -> dict:
+    """The CUDA entry of BUILD.json beside the library (nvcc, targets, tuning defines); {} if none."""
+    return kernels.build_info(library_path()).get("cuda", {})
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -106,7 +63,8 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The CUDA library, built on first use if a CUDA torch sees a device; None otherwise."""
+    """The CUDA library, loaded on first use if a CUDA torch sees a device; None otherwise
+    (said once on stderr when a device is there but the library is not)."""
     global _lib, _tried
     if _lib is not None or _tried:
         return _lib
@@ -119,10 +77,14 @@ def library() -> ctypes.CDLL | None:
         path = library_path()
         try:
             if not path.exists():
-                build()
+                raise FileNotFoundError(f"{path} does not exist")
             _lib = load(path)
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            print(f"nemo-dcr: CUDA kernels unavailable ({exc})", file=sys.stderr)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            source = " (from $NEMO_DCR_CUDA_LIB)" if os.environ.get("NEMO_DCR_CUDA_LIB") else ""
+            print(kernels.unavailable_message(
+                "CUDA kernels", f"{exc}{source}", "CUDA shards cannot be diffed or patched on the GPU without them.",
+                "reinstall the package with nvcc on PATH (or NVCC / CUDA_HOME set), or run "
+                "`nemo-dcr build-kernels --cuda` in a source checkout"), file=sys.stderr, flush=True)
             _lib = None
     return _lib
 
@@ -134,8 +96,8 @@ def available() -> bool:
 def _require() -> ctypes.CDLL:
     lib = library()
     if lib is None:
-        raise RuntimeError("the CUDA kernels are unavailable (no CUDA device, or the build failed: "
-                           "nemo-dcr build-kernels --cuda)")
+        raise RuntimeError("the CUDA kernels are unavailable (no CUDA device, or the package was built "
+                           "without nvcc: `nemo-dcr doctor` says which)")
     return lib
 
 
@@ -355,6 +317,3 @@ class SideStream:
         with torch.cuda.stream(side):
             return take_delta_cuda(current, baseline, keep_new, out="pinned", wait=True)
 
-
-if __name__ == "__main__":  # `python -m nemo_dcr_callback.core.cuda_kernels` builds the library
-    print(build(verbose=True))

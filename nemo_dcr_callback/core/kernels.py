@@ -1,29 +1,32 @@
-"""Kernel dispatch: the compiled CPU library (cuda_ext/cpu) loaded through ctypes.
+"""Kernel dispatch: the compiled CPU library (cuda_ext/cpu/dcr_cpu.cpp) loaded through ctypes.
 
 A plain C ABI over raw pointers keeps the library independent of the torch C++ ABI, so one
-build serves any torch >= 2.4. `make setup` builds it; if it is missing, `native()` tries
-to build it once (g++ on PATH) and otherwise returns None, and every caller falls back to
-the pure-torch reference in delta.py / codec.py (correct, slower).
+build serves any torch >= 2.4. The library is compiled when the package is built (setup.py,
+docs/BUILD.md) and ships inside it, in nemo_dcr_callback/_lib/; nothing is compiled at run
+time. If it is missing or does not load, `native()` says so once on stderr and returns None,
+and every caller falls back to the pure-torch reference in delta.py / codec.py (correct, much
+slower).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import json
 import os
-import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
-SOURCE = _REPO / "cuda_ext" / "cpu" / "dcr_cpu.cpp"
+LIB_DIR = Path(__file__).resolve().parents[1] / "_lib"
+LIB_NAME = "libdcr_cpu.so"
 ABI_VERSION = 1
+SIMD_PATHS = {2: "AVX-512", 1: "AVX2", 0: "portable"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: str | None = None
+_warned = False
 
 c_i64, c_int, c_void_p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -54,32 +57,18 @@ _SIGNATURES = {
 }
 
 
-def _source_tag() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
-def build_dir() -> Path:
-    """Where built libraries live: cuda_ext/build, or $NEMO_DCR_BUILD_DIR."""
-    override = os.environ.get("NEMO_DCR_BUILD_DIR")
-    return Path(override) if override else _REPO / "cuda_ext" / "build"
-
-
 def library_path() -> Path:
-    """The CPU library's path, tagged by the source's hash."""
-    return build_dir() / f"libdcr_cpu-{_source_tag()}.so"
+    """The CPU library that will be loaded: $NEMO_DCR_CPU_LIB, else the package's _lib/libdcr_cpu.so."""
+    env = os.environ.get("NEMO_DCR_CPU_LIB")
+    return Path(env) if env else LIB_DIR / LIB_NAME
 
 
-def compile_to(out: Path, command, verbose: bool = False) -> Path:
-    """Run command(tmp) to build into a temporary name next to `out`, then rename: a reader
-    never loads a half-written library."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = command(tmp)
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    subprocess.run(cmd, check=True)
-    os.replace(tmp, out)
-    return out
+def build_info(path: Path | None = None) -> dict:
+    """BUILD.json beside a library (how it was compiled); {} if there is none."""
+    try:
+        return json.loads(((path or library_path()).parent / "BUILD.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def load_library(path: Path, signatures: dict, abi_fn: str, abi: int) -> ctypes.CDLL:
@@ -94,49 +83,77 @@ def load_library(path: Path, signatures: dict, abi_fn: str, abi: int) -> ctypes.
     return lib
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the CPU library with g++ (C++17, -O3, pthreads). Returns its path."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = os.environ.get("NEMO_DCR_CXXFLAGS", "-O3 -march=native").split()
-    return compile_to(library_path(), lambda tmp: [cxx, *flags, "-std=c++17", "-fPIC", "-shared", "-pthread",
-                                                   str(SOURCE), "-o", str(tmp)], verbose)
-
-
 def _load(path: Path) -> ctypes.CDLL:
     return load_library(path, _SIGNATURES, "dcr_abi_version", ABI_VERSION)
 
 
+def unavailable_message(what: str, error: str, consequence: str, fix: str) -> str:
+    """The message a missing native library prints once: what, why, why it matters, how to fix it."""
+    return (f"nemo-dcr: the {what} are unavailable ({error}).\n  {consequence}\n"
+            f"  Fix: {fix}. `nemo-dcr doctor` shows what is loaded.")
+
+
+def _try_load() -> None:
+    global _lib, _tried, _error
+    with _lock:
+        if _tried:
+            return
+        path = library_path()
+        try:
+            if not path.exists():
+                raise FileNotFoundError(f"{path} does not exist")
+            _lib = _load(path)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            _error = str(exc)
+            _lib = None
+        _tried = True
+
+
+def _warn_once() -> None:
+    global _warned
+    if _warned or _error is None:
+        return
+    _warned = True
+    source = " (from $NEMO_DCR_CPU_LIB)" if os.environ.get("NEMO_DCR_CPU_LIB") else ""
+    print(unavailable_message(
+        "compiled CPU kernels", _error + source,
+        "Every delta, encode and apply runs on the pure-torch reference instead: correct, but much slower.",
+        "reinstall the package with g++ on PATH (pip reinstalls compile them), or run `nemo-dcr build-kernels` "
+        "in a source checkout"), file=sys.stderr, flush=True)
+
+
 def native() -> ctypes.CDLL | None:
-    """The compiled library, building it on first use if needed; None if unavailable.
+    """The compiled library, loaded on first use; None if unavailable (said once on stderr).
 
     NEMO_DCR_NATIVE=0 forces the pure-torch reference path (used by tests to compare); it is
     read until the library is loaded, so set it before the first kernel call.
     """
-    global _lib, _tried
     if _lib is not None:  # the hot path: the codec asks once per stream
         return _lib
     if os.environ.get("NEMO_DCR_NATIVE", "1") == "0":
         return None
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if not SOURCE.exists():
-            return None
-        path = library_path()
-        try:
-            if not path.exists():
-                build()
-            _lib = _load(path)
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            print(f"nemo-dcr: compiled CPU kernels unavailable ({exc}); using the torch reference",
-                  file=sys.stderr)
-            _lib = None
+    if not _tried:
+        _try_load()
+    _warn_once()
     return _lib
+
+
+def load_state() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, why not) without the stderr message; ignores NEMO_DCR_NATIVE (for doctor)."""
+    if not _tried:
+        _try_load()
+    return _lib, _error
+
+
+def simd_path(lib: ctypes.CDLL | None = None) -> str | None:
+    """The SIMD path the loaded library's dispatch takes ("AVX-512", "AVX2", "portable"), or
+    None without a library (or one too old to say)."""
+    lib = lib or load_state()[0]
+    if lib is None or not hasattr(lib, "dcr_simd_path"):
+        return None
+    fn = lib.dcr_simd_path
+    fn.restype, fn.argtypes = c_int, []
+    return SIMD_PATHS.get(fn(), "portable")
 
 
 def num_threads() -> int:
@@ -152,7 +169,3 @@ def num_threads() -> int:
 def ptr(t) -> int:
     """Raw data pointer of a torch tensor (or 0 for None)."""
     return 0 if t is None else t.data_ptr()
-
-
-if __name__ == "__main__":  # `python -m nemo_dcr_callback.core.kernels` builds the library
-    print(build(verbose=True))

@@ -1,24 +1,7 @@
 """The commit protocol: versions in a store, receiver acks, the joint commit (docs/PROTOCOL.md).
 
-Keys under the store's root:
-
-    versions/{v}/rank-{r}/part-{n}.dcr  chunks back to back, each part uploaded as soon as it
-                                        is full (receivers may fetch them while later ones are
-                                        still being encoded)
-    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums, the rank's
-                                        additive digests; written after its last part
-    versions/{v}/VERSION.json           VersionRecord, once every rank's manifest exists:
-                                        base, totals, per-tensor digests (If-None-Match)
-    versions/{v}/acks/{receiver}.json   Ack: the receiver fetched and verified every chunk and
-                                        holds the base (or a refusal, with the reason)
-    versions/{v}/DECISION.json          Decision: commit or abort, written with If-None-Match
-                                        so exactly one writer decides; commit binds v as the
-                                        baseline of the next delta
-    receivers/{id}.json                 a receiver's registration: the version it holds
-    keyframe/{v}/model.safetensors      a full canonical checkpoint (+ config.json, KEYFRAME.json)
-    verify/{v}/model.safetensors        verify mode only: the dense export of version v
-
-({v} is zero-padded to 10 digits, {r} to 5, {n} to 6.)
+The store's keys are in protocol/keys.py, the JSON objects' types in protocol/records.py; both
+are re-exported here under their old names (`commit.part_key`, `commit.VersionRecord`, ...).
 """
 
 from __future__ import annotations
@@ -28,105 +11,31 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypedDict
+from typing import Literal
 
 import xxhash
 
 from nemo_dcr_callback.codec import digest
-
-
-class PartRef(TypedDict):
-    key: str
-    bytes: int
-    chunks: int
-    checksum: str  # xxh3-64 of the part's bytes (hex)
-
-
-class RankManifest(TypedDict):
-    version: int
-    base: int
-    rank: int
-    world: int
-    parts: list[PartRef]
-    bytes: int
-    chunks: int
-    params: int
-    changed: int
-    digests: dict[str, str]  # canonical tensor -> additive digest of this rank's slice at `version`
-
-
-class VersionRecord(TypedDict):
-    version: int
-    base: int  # the version a receiver must hold to apply this one
-    world: int
-    ranks: list[str]  # manifest keys
-    bytes: int
-    params: int
-    changed: int
-    digests: dict[str, str]  # canonical tensor -> digest of the whole tensor at `version`
-    time: float
-
-
-class Ack(TypedDict):
-    version: int
-    receiver: str
-    base: int
-    ok: bool
-    error: str | None
-    time: float
-
-
-class Decision(TypedDict):
-    version: int
-    base: int
-    decision: Literal["commit", "abort"]
-    acked: list[str]
-    lagging: list[str]  # receivers that did not ack in time: they catch up later
-    reason: str
-    time: float
-
-
-class Registration(TypedDict):
-    receiver: str
-    version: int
-    time: float
-
-
-# ------------------------------------------------------------------ keys
-def vdir(v: int) -> str:
-    return f"versions/{v:010d}"
-
-
-def part_key(v: int, r: int, n: int) -> str:
-    return f"{vdir(v)}/rank-{r:05d}/part-{n:06d}.dcr"
-
-
-def rank_manifest(v: int, r: int) -> str:
-    return f"{vdir(v)}/rank-{r:05d}.json"
-
-
-def version_record(v: int) -> str:
-    return f"{vdir(v)}/VERSION.json"
-
-
-def ack_key(v: int, receiver: str) -> str:
-    return f"{vdir(v)}/acks/{receiver}.json"
-
-
-def decision_key(v: int) -> str:
-    return f"{vdir(v)}/DECISION.json"
-
-
-def receiver_key(receiver: str) -> str:
-    return f"receivers/{receiver}.json"
-
-
-def keyframe_dir(v: int) -> str:
-    return f"keyframe/{v:010d}"
-
-
-def verify_key(v: int) -> str:
-    return f"verify/{v:010d}/model.safetensors"
+from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.protocol.keys import (  # noqa: F401 - re-exported for commit's callers
+    ack_key,
+    decision_key,
+    keyframe_dir,
+    part_key,
+    rank_manifest,
+    receiver_key,
+    vdir,
+    verify_key,
+    version_record,
+)
+from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for commit's callers
+    Ack,
+    Decision,
+    PartRef,
+    RankManifest,
+    Registration,
+    VersionRecord,
+)
 
 
 def read_json(store, key: str):
@@ -255,7 +164,7 @@ def read_record(store, v: int) -> VersionRecord | None:
 
 def list_versions(store) -> list[int]:
     """Every version that has objects in the store (sealed or not)."""
-    return sorted(int(c) for c in store.children("versions") if c.isdigit())
+    return sorted(int(c) for c in store.children(keys.VERSIONS) if c.isdigit())
 
 
 # ------------------------------------------------------------------ receivers and acks
@@ -269,8 +178,8 @@ def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
     """Registered receivers (those seen within live_s seconds, if given)."""
     out = {}
     now = time.time()
-    names = [n for n in store.children("receivers") if n.endswith(".json")]
-    for r in read_jsons(store, [f"receivers/{n}" for n in names]):
+    names = [n for n in store.children(keys.RECEIVERS) if n.endswith(".json")]
+    for r in read_jsons(store, [f"{keys.RECEIVERS}/{n}" for n in names]):
         if r is not None and (live_s is None or now - r["time"] <= live_s):
             out[r["receiver"]] = r
     return out
@@ -315,8 +224,8 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[
                 if a is not None:
                     seen[f"{r}.json"] = a
             return {a["receiver"]: a for a in seen.values()}
-    new = [n for n in store.children(f"{vdir(v)}/acks") if n not in seen]
-    for name, a in zip(new, read_jsons(store, [f"{vdir(v)}/acks/{n}" for n in new]), strict=True):
+    new = [n for n in store.children(keys.acks_dir(v)) if n not in seen]
+    for name, a in zip(new, read_jsons(store, [f"{keys.acks_dir(v)}/{n}" for n in new]), strict=True):
         if a is not None:
             seen[name] = a
     return {a["receiver"]: a for a in seen.values()}
@@ -388,7 +297,7 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
     while True:
         n_seen = len(seen)
         if news is not None and time.monotonic() - listed_at < ACK_LIST_EVERY_S:
-            named = [k for k in news if k.startswith(f"{vdir(v)}/acks/") and k.rsplit("/", 1)[1] not in seen]
+            named = [k for k in news if k.startswith(f"{keys.acks_dir(v)}/") and k.rsplit("/", 1)[1] not in seen]
             for k, a in zip(named, read_jsons(store, named), strict=True):
                 if a is not None:
                     seen[k.rsplit("/", 1)[1]] = a
@@ -484,22 +393,21 @@ def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None)
     record goes last, so a keyframe with a record is complete."""
     from safetensors.torch import save
 
-    d = keyframe_dir(v)
-    store.put(f"{d}/model.safetensors", save({k: t.contiguous() for k, t in tensors.items()}))
+    store.put(keys.keyframe_model(v), save({k: t.contiguous() for k, t in tensors.items()}))
     if config_json is not None:
-        store.put(f"{d}/config.json", config_json.encode())
-    store.put(f"{d}/KEYFRAME.json", json.dumps({"version": v, "digests": {
+        store.put(keys.keyframe_config(v), config_json.encode())
+    store.put(keys.keyframe_record(v), json.dumps({"version": v, "digests": {
         k: digest.hexd(digest.sum64(t)) for k, t in sorted(tensors.items())}, "time": time.time()}).encode())
 
 
 def keyframes(store) -> list[int]:
     """Complete keyframes (with a record); version 0 counts as committed by definition."""
-    return sorted(int(c) for c in store.children("keyframe") if c.isdigit()
-                  and store.exists(f"keyframe/{c}/KEYFRAME.json"))
+    return sorted(int(c) for c in store.children(keys.KEYFRAMES) if c.isdigit()
+                  and store.exists(keys.keyframe_record(c)))
 
 
 def read_keyframe(store, v: int) -> dict | None:
-    return read_json(store, f"{keyframe_dir(v)}/KEYFRAME.json")
+    return read_json(store, keys.keyframe_record(v))
 
 
 def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
@@ -517,7 +425,7 @@ def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
     newest_decided = max((v for v in vs if decisions[v]), default=-1)
     doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
                        or (decisions[v] is None and v < newest_decided) or (v in committed and v <= floor)]
-    prefixes = [vdir(v) for v in doomed_versions] + [f"verify/{v:010d}" for v in doomed_versions]
+    prefixes = [vdir(v) for v in doomed_versions] + [keys.verify_dir(v) for v in doomed_versions]
     prefixes += [keyframe_dir(kf) for kf in kfs if kf < newest_kf]
     if dry_run:
         return [k for p in prefixes for k in store.list(p)]

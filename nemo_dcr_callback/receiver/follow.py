@@ -1,47 +1,35 @@
 """Following a store: the receiver's side of the commit protocol (docs/PROTOCOL.md).
 
 For the next version whose base is the version held, the follower streams its parts as the
-senders upload them (decoding while later parts are still in flight), checks every chunk's
-checksum, every part against its rank's manifest and every chunk against the target, acks,
-waits for the joint commit, and only then applies; after applying it checks the tensors'
-additive digests against the version record. Nothing from a version that fails any check
-is applied; an aborted version is dropped. A receiver that is behind chains committed
-deltas; one with nothing, or too far behind, starts from a keyframe.
-
-Early apply (opt-in, in-memory tensors: `early=True`): the parts of the next version are
-applied in place as they arrive, each chunk verified first, with an undo record (XOR is its
-own inverse; other ops keep the old bits), and the digests are checked before the ack, as
-in the design's receiver path (apply, verify, ack). So the apply overlaps the transfer
-instead of following the decision. Anything that then fails (a part against its manifest,
-a digest, an abort) is undone exactly before the version is dropped: the weights are back
-on the bits of the version held. `early="sealed"` waits until the version is sealed (the
-senders are done encoding) and then applies the parts held while the rest are still on the
-link: the apply hides in the transfer's tail without taking CPU from the encoders. Off by
-default: on a host whose CPUs the receiver shares with the senders and relays (this
-project's benchmarks), applying chunk by chunk during the transfer costs more CPU than the
-batched apply after the decision and slowed the refit; see docs/PROTOCOL.md for figures.
+senders upload them (decoding while later parts are still in flight: fetch.py), checks every
+chunk's checksum, every part against its rank's manifest and every chunk against the target,
+acks, waits for the joint commit, and only then applies; after applying it checks the
+tensors' additive digests against the version record. Nothing from a version that fails any
+check is applied; an aborted version is dropped. A receiver that is behind chains committed
+deltas; one with nothing, or too far behind, starts from a keyframe (rebuild.py). Early apply
+(opt-in: FollowerConfig.early) is described in fetch.py.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
-
-import torch
-import xxhash
+from dataclasses import dataclass, replace
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.receiver.fetch import FETCH_LANES, Parts, _PartDecoder, fetch_part, fetch_version
+from nemo_dcr_callback.receiver.rebuild import latest_keyframe, reconstruct
 from nemo_dcr_callback.transport.store import StoreError, backoff, wait_news
 
-# The receiver's apply modes by name (CLI and benchmarks) -> Follower(early=...).
+__all__ = ["APPLY_MODES", "FETCH_LANES", "IDLE_AFTER_S", "Applied", "Follower", "FollowerConfig", "_PartDecoder",
+           "fetch_version", "latest_keyframe", "reconstruct"]
+
+# The receiver's apply modes by name (CLI and benchmarks) -> FollowerConfig.early.
 APPLY_MODES: dict[str, bool | str] = {"late": False, "sealed": "sealed", "early": True}
 
 
@@ -59,110 +47,38 @@ class Applied:
     unchecked: int = 0  # tensors this version changed that the target holds only in part (not digested)
 
 
-FETCH_LANES = 2  # parts of one version downloading at once (Follower's fetch_lanes)
 # A follower of a store that cannot long-poll (S3, file://) that has seen nothing new for this
 # long doubles its pause between polls, up to idle_poll_s: each poll of S3 is a LIST request.
 IDLE_AFTER_S = 1.0
 
 
-class _Parts:
-    """Verified, decoded parts of one version, fetched as they appear: in order, a couple at a
-    time (FETCH_LANES). On a link-bound transfer every part fetched at once shares the link
-    and they all land together at the end, so their decoding (and an early apply) piled up
-    after the last byte; fetched in order they land one by one, and each is decoded while the
-    next is on the link. Two lanes: the next request is under way while a part streams. A
-    link with a large bandwidth-delay product (S3 in another region, tens of ms away) needs
-    more parts in flight to fill it: Follower(fetch_lanes=...)."""
+@dataclass
+class FollowerConfig:
+    """How a Follower takes part and paces itself (`nemo-dcr receive` builds it from its
+    options; Follower(..., **options) overrides fields by name)."""
 
-    def __init__(self, lanes: int = FETCH_LANES):
-        self.lanes = lanes
-        self.parts: dict[str, tuple[int, str, list[codec.DecodedChunk]]] = {}  # key -> (bytes, xxh3, decoded)
-        self.pending: dict[str, Future] = {}  # key -> a fetch running in the store's pool
-        self.queued: list[str] = []  # keys waiting for a lane
-        self.lock = threading.RLock()  # pending/queued: the pool's done-callbacks start queued fetches
-        self.t0: float | None = None
-        # early apply: the parts applied in place so far, each chunk's undo (None: XOR, its own
-        # inverse; else the old bits) and the digest terms (before, after) per tensor
-        self.applied: set[str] = set()
-        self.undo: list[tuple[codec.DecodedChunk, torch.Tensor | None]] = []
-        self.terms: dict[str, tuple[int, int]] = {}
+    receiver_id: str | None = None  # set: register under it, ack versions, take part in the joint commit
+    decision_timeout: float = 600.0  # seconds to wait for a version's decision after acking it
+    check_digests: bool = True  # check the held weights, and every version applied, against the digests
+    poll_s: float = 0.01  # pause between polls while versions come
+    # the longest pause between polls once idle (IDLE_AFTER_S) on a store that cannot
+    # long-poll: polling every poll_s, an idle receiver listed S3 about 77 times a second
+    # (9% of a core); at 0.1 s about 10, and a version that starts after an idle second is
+    # seen up to 0.1 s later. Relays are long-polled: there it changes nothing.
+    idle_poll_s: float = 0.1
+    journal: str | None = None  # redo journal directory: weights that outlive this follower (journal.py)
+    early: bool | str = False  # apply while fetching: True, "sealed" or False (APPLY_MODES; fetch.py)
+    # The registration (liveness, and the version held, which gc keeps) is refreshed after an
+    # apply at most this often: a write per version per receiver is load on the relays and
+    # the store that a fleet multiplies, and it was on the refit's path.
+    register_every_s: float = 30.0
+    fetch_lanes: int = FETCH_LANES  # parts of one version downloading at once (fetch.Parts)
 
-    def harvest(self) -> None:
-        """Keep the background fetches that finished; a failed one is dropped (fetched again,
-        in the caller's thread, when the version is staged: its error is raised there)."""
-        with self.lock:
-            for key, fut in list(self.pending.items()):
-                if fut.done():
-                    del self.pending[key]
-                    if fut.exception() is None:
-                        self.parts[key] = fut.result()[1:]
-
-    def fetch(self, keys: list[str], pool, fetch_one) -> None:
-        """Queue keys not yet held, under way or queued, and fill the free lanes."""
-        with self.lock:
-            self.queued += [k for k in keys if k not in self.parts and k not in self.pending and k not in self.queued]
-        self._pump(pool, fetch_one)
-
-    def _pump(self, pool, fetch_one) -> None:
-        with self.lock:
-            while self.queued and sum(not f.done() for f in self.pending.values()) < self.lanes:
-                key = self.queued.pop(0)
-                fut = self.pending[key] = pool.submit(fetch_one, key)
-                fut.add_done_callback(lambda _f: self._pump(pool, fetch_one))
-
-    def in_flight(self, keys: list[str]) -> set[Future]:
-        """While any of keys is under way or queued, every fetch under way (one finishing
-        harvests a part or frees a lane for a queued one); empty once none of keys is."""
-        with self.lock:
-            if any(k in self.pending or k in self.queued for k in keys):
-                return set(self.pending.values())
-            return set()
-
-    def cancel(self) -> None:
-        with self.lock:
-            self.queued.clear()
-
-
-def _decode_checked(c: bytes | memoryview, check: Callable[[codec.ChunkHeader], None]) -> codec.DecodedChunk:
-    """One chunk of a part: its checksum and header verified, checked against the target, decoded."""
-    h = codec.parse_header(c)
-    check(h)
-    return codec.decode_chunk(c, h)
-
-
-class _PartDecoder:
-    """One part's chunks, each verified (checksum, target) and decoded as soon as its last byte
-    is in; the part's length and xxh3 are taken as it arrives, for the manifest check."""
-
-    def __init__(self, check: Callable[[codec.ChunkHeader], None]):
-        self.check = check
-        self.reset()
-
-    def reset(self) -> None:  # a fetch that broke off starts again from the first byte
-        self.buf, self.off, self.size = bytearray(), 0, 0
-        self.hash = xxhash.xxh3_64()
-        self.decoded: list[codec.DecodedChunk] = []
-
-    def feed(self, piece: bytes) -> None:
-        self.buf += piece
-        self.size += len(piece)
-        self.hash.update(piece)
-        while True:
-            with memoryview(self.buf) as mv:
-                end = codec.chunk_end(mv, self.off)
-                if end is None or end > len(mv):
-                    break
-                c = bytes(mv[self.off:end])  # a copy: the buffer grows under it
-            self.decoded.append(_decode_checked(c, self.check))
-            self.off = end
-        if self.off >= 1 << 20:  # drop the decoded bytes
-            del self.buf[:self.off]
-            self.off = 0
-
-    def finish(self) -> tuple[int, str, list[codec.DecodedChunk]]:
-        if self.off != len(self.buf):
-            raise codec.ChunkError(f"part ends inside a chunk ({len(self.buf) - self.off} bytes left): truncated")
-        return self.size, self.hash.hexdigest(), self.decoded
+    def __post_init__(self):
+        if self.early not in (False, True, "sealed"):
+            raise ValueError(f"early must be False, True or 'sealed', not {self.early!r}")
+        if self.fetch_lanes < 1:
+            raise ValueError("fetch_lanes must be >= 1")
 
 
 class Follower:
@@ -170,28 +86,23 @@ class Follower:
     sharing storage with the model, e.g. a Hugging Face model's state_dict()) or a target
     object from receiver.targets (a model updated through its own loader, a checkpoint dir).
 
-    receiver_id: if set, the follower registers under it, acks versions and takes part in
-    the joint commit; without one it only applies committed versions."""
+    `version` is the version the target holds (checked against the store's digests). With a
+    receiver_id (FollowerConfig) the follower registers, acks versions and takes part in the
+    joint commit; without one it only applies committed versions."""
 
-    def __init__(self, store, target, version: int = 0, receiver_id: str | None = None,
-                 decision_timeout: float = 600.0, check_digests: bool = True, poll_s: float = 0.01,
-                 journal: str | None = None, early: bool | str = False, register_every_s: float = 30.0,
-                 fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1):
+    def __init__(self, store, target, version: int = 0, *, config: FollowerConfig | None = None, **options):
         from nemo_dcr_callback.receiver.targets import StateDictTarget
 
+        cfg = self.config = replace(config or FollowerConfig(), **options)
         self.store = store
         self.target = StateDictTarget(target) if isinstance(target, dict) else target
         self.tensors = target if isinstance(target, dict) else None
         self.version = version
-        self.receiver_id = receiver_id
-        self.decision_timeout = decision_timeout
-        self.poll_s = poll_s
-        # the longest pause between polls once idle (IDLE_AFTER_S) on a store that cannot
-        # long-poll: polling every poll_s, an idle receiver listed S3 about 77 times a second
-        # (9% of a core); at 0.1 s about 10, and a version that starts after an idle second is
-        # seen up to 0.1 s later. Relays are long-polled: there it changes nothing.
-        self.idle_poll_s = max(idle_poll_s, poll_s)
-        self._parts: dict[int, _Parts] = {}
+        self.receiver_id = cfg.receiver_id
+        self.decision_timeout = cfg.decision_timeout
+        self.poll_s = cfg.poll_s
+        self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
+        self._parts: dict[int, Parts] = {}
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         self.max_refusals = 3
         self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_news)
@@ -201,12 +112,12 @@ class Follower:
         self._listed: tuple[int, list[str]] | None = None
         self.digests: dict[str, int] | None = None
         self.journal = None
-        if journal is not None:  # weights that outlive this follower: complete a torn apply first
+        if cfg.journal is not None:  # weights that outlive this follower: complete a torn apply first
             from nemo_dcr_callback.receiver.journal import Journal
 
             if not hasattr(self.target, "flat"):
                 raise ValueError("a journal needs a target with flat tensors (a state dict)")
-            self.journal = Journal(journal)
+            self.journal = Journal(cfg.journal)
             replayed = self.journal.replay(self.target.flat)
             held = self.journal.held()
             if held is not None:
@@ -216,31 +127,24 @@ class Follower:
                       file=sys.stderr, flush=True)
         # names the target cannot digest (a loader that keeps only part of a tensor) go unchecked
         self.unchecked: set[str] = set()
-        if check_digests and hasattr(self.target, "digest_of"):  # a model behind its loader
+        if cfg.check_digests and hasattr(self.target, "digest_of"):  # a model behind its loader
             held = {n: self.target.digest_of(n) for n in self.target.names()}
             self.unchecked = {n for n, d in held.items() if d is None}
             self.digests = {n: d for n, d in held.items() if d is not None}
             self._check_held()
-        elif check_digests and hasattr(self.target, "flat"):
+        elif cfg.check_digests and hasattr(self.target, "flat"):
             self.digests = {n: digest.sum64(self.target.flat(n)) for n in self.target.names()}
             self._check_held()
         # early apply needs in-place tensors with an exact undo and the digest check before the
         # ack; journaled weights, loaders and checkpoint directories apply after the decision
-        if early not in (False, True, "sealed"):
-            raise ValueError(f"early must be False, True or 'sealed', not {early!r}")
-        self.early = bool(early) and self.journal is None and self.digests is not None and isinstance(
+        self.early = bool(cfg.early) and self.journal is None and self.digests is not None and isinstance(
             self.target, StateDictTarget)
-        self.early_sealed_only = early == "sealed"
-        # The registration (liveness, and the version held, which gc keeps) is refreshed after
-        # an apply at most every register_every_s: a write per version per receiver is load on
-        # the relays and the store that a fleet multiplies, and it was on the refit's path.
-        self.register_every_s = register_every_s
-        if fetch_lanes < 1:
-            raise ValueError("fetch_lanes must be >= 1")
-        self.fetch_lanes = fetch_lanes
+        self.early_sealed_only = cfg.early == "sealed"
+        self.register_every_s = cfg.register_every_s
+        self.fetch_lanes = cfg.fetch_lanes
         self._registered_at = time.monotonic()
-        if receiver_id:
-            commit.register(store, receiver_id, version)
+        if self.receiver_id:
+            commit.register(store, self.receiver_id, version)
 
     # ------------------------------------------------------------ checks
     def _check_held(self) -> None:
@@ -265,28 +169,13 @@ class Follower:
 
     # ------------------------------------------------------------ fetching
     def _fetch_one(self, key: str):
-        """Fetch one part, verify it (chunk checksums, target) and decode it: chunk by chunk as
-        its bytes arrive where the store streams them (S3), so after a part's last byte only its
-        last chunk is left to decode."""
-        pieces = getattr(self.store, "get_pieces", None)
-        if pieces is not None:
-            part = _PartDecoder(self.target.check)
-            try:
-                pieces(key, part)
-            except KeyError:
-                raise codec.ChunkError(f"{key}: part missing from the store") from None
-            return (key, *part.finish())
-        try:
-            blob = self.store.get(key)
-        except KeyError:
-            raise codec.ChunkError(f"{key}: part missing from the store") from None
-        decoded = [_decode_checked(c, self.target.check) for c in codec.split_chunks(blob)]
-        return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
+        """One part fetched, verified against the target and decoded (fetch.fetch_part)."""
+        return fetch_part(self.store, key, self.target.check)
 
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
         """Every part of `keys` held: waits for the ones fetching in the background, fetches
         the rest (concurrently where the store can)."""
-        st = self._parts.setdefault(v, _Parts(self.fetch_lanes))
+        st = self._parts.setdefault(v, Parts(self.fetch_lanes))
         st.harvest()
         pool = getattr(self.store, "executor", None)
         new = [k for k in keys if k not in st.parts and k not in st.pending]
@@ -309,7 +198,7 @@ class Follower:
         and return: where the store has a thread pool the fetches run there, so the next part's
         download is already under way while this thread lists again (the link never idles
         between parts). Results are kept only once they are verified and decoded."""
-        st = self._parts.setdefault(v, _Parts(self.fetch_lanes))
+        st = self._parts.setdefault(v, Parts(self.fetch_lanes))
         st.harvest()
         listing = self.store.list(commit.vdir(v)) if listing is None else listing
         keys = [k for k in listing if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
@@ -335,7 +224,7 @@ class Follower:
                 raise codec.ChunkError(f"{key}: manifest is for version {m['version']} on {m['base']}, not {v}")
             refs += m["parts"]
         self._fetch_parts(v, [p["key"] for p in refs])
-        st = self._parts[v] if refs else _Parts()
+        st = self._parts[v] if refs else Parts()
         out = []
         for p in refs:
             n, h, dec = st.parts[p["key"]]
@@ -346,7 +235,7 @@ class Follower:
             out += dec
         stray = set(st.parts) - {p["key"] for p in refs}  # listed, but in no manifest: not the version's
         if stray & st.applied:
-            self._undo(st)  # applied early: take everything back (the version's parts go on again)
+            st.rollback(self.target)  # applied early: take everything back (the version's parts go on again)
         for k in stray:
             del st.parts[k]
         return out
@@ -360,33 +249,8 @@ class Follower:
         if not self.early or st is None or not (sealed or (v == self.version + 1 and v not in self.refused
                                                            and not self.early_sealed_only)):
             return False
-        st.harvest()
-        for key, (_, _, dec) in list(st.parts.items()):
-            if key in st.applied:
-                continue
-            for d in dec:  # one chunk at a time: the undo log never holds a chunk not applied
-                flat = self.target.flat(d.header.name)
-                # XOR and ulp chunks are undone from the chunk itself; only overwrites keep the old bits
-                old = None if d.op in (OP_XOR, OP_ULP) else torch.index_select(bits(flat), 0, d.positions)
-                b, a = self.target.apply_with_terms([d])[d.header.name]
-                st.undo.append((d, old))
-                digest.add_terms(st.terms, d.header.name, b, a)
-            st.applied.add(key)
+        st.apply_held(self.target)
         return True
-
-    def _undo(self, st: _Parts) -> None:
-        """Take back every early-applied chunk, newest first: the weights are exactly as before."""
-        for d, old in reversed(st.undo):
-            flat = self.target.flat(d.header.name)
-            if d.op == OP_ULP:
-                scatter(flat, d.positions, ulp_negate(d.values), OP_ULP)
-            elif old is None:
-                scatter(flat, d.positions, d.values, OP_XOR)
-            else:
-                scatter(flat, d.positions, old, OP_OVERWRITE)
-        st.undo.clear()
-        st.applied.clear()
-        st.terms = {}
 
     def _drop(self, v: int) -> None:
         """Forget version v's parts (refetched if needed again), undoing any applied early."""
@@ -394,7 +258,7 @@ class Follower:
         if st is not None:
             st.cancel()
             if st.undo:
-                self._undo(st)
+                st.rollback(self.target)
 
     # ------------------------------------------------------------ applying
     def _terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, int]:
@@ -430,7 +294,7 @@ class Follower:
                 d = commit.await_decision(self.store, v, self.decision_timeout, self.poll_s, self._token)
             except BaseException:  # no decision (timeout, store down): back on the version held
                 if v in self._parts and self._parts[v].undo:
-                    self._undo(self._parts[v])  # the verified parts stay: a retry applies them again
+                    self._parts[v].rollback(self.target)  # the verified parts stay: a retry applies them again
                 raise
             wait_s = time.perf_counter() - t_staged
             if d["decision"] != "commit":
@@ -619,51 +483,3 @@ class Follower:
 class _Aborted(Exception):
     def __init__(self, v: int, reason: str):
         super().__init__(f"version {v} aborted: {reason}")
-
-
-def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
-    """The record and every chunk of sealed version v, each part checked against its manifest
-    (for tools that want raw chunks: `nemo-dcr` stats, tests)."""
-    rec = commit.read_record(store, v)
-    if rec is None:
-        raise KeyError(f"version {v} is not sealed")
-    chunks: list[bytes] = []
-    for key in rec["ranks"]:
-        m = commit.read_json(store, key)
-        for p in m["parts"]:
-            blob = store.get(p["key"])
-            if len(blob) != p["bytes"] or xxhash.xxh3_64_hexdigest(blob) != p["checksum"]:
-                raise codec.ChunkError(f"{p['key']}: does not match its manifest (corrupt or truncated)")
-            chunks += [bytes(c) for c in codec.split_chunks(blob)]
-    return rec, chunks
-
-
-def latest_keyframe(store) -> int | None:
-    """The newest keyframe of a committed version (or version 0)."""
-    for k in reversed(commit.keyframes(store)):
-        d = commit.read_decision(store, k)
-        if k == 0 or (d and d["decision"] == "commit"):
-            return k
-    return None
-
-
-def reconstruct(store, v: int) -> dict:
-    """The canonical tensors of committed version v, rebuilt from the newest committed keyframe
-    at or before v plus the committed deltas after it, every step checked against the
-    version records' digests (a restarted sender rebases on this)."""
-    from safetensors.torch import load
-
-    kfs = [k for k in commit.keyframes(store) if k <= v and (k == 0 or (commit.read_decision(store, k) or {})
-                                                              .get("decision") == "commit")]
-    if not kfs:
-        raise KeyError(f"no keyframe at or before version {v} to rebuild it from")
-    k = kfs[-1]
-    tensors = load(store.get(f"{commit.keyframe_dir(k)}/model.safetensors"))
-    f = Follower(store, tensors, version=k)
-    for u in [u for u in commit.list_versions(store) if k < u <= v]:
-        d = commit.read_decision(store, u)
-        if d is not None and d["decision"] == "commit":  # committed versions form one chain
-            f.apply_version(u, wait_decision=False)
-    if f.version != v:
-        raise KeyError(f"version {v} is not committed (rebuilt up to {f.version})")
-    return tensors

@@ -18,23 +18,11 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback import codec
+from nemo_dcr_callback import codec, faults
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.core.bitops import OP_OVERWRITE, bits, scatter
 
 Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (sorted), new bits
-
-
-def fault_point() -> None:
-    """Between two tensor writes. Fault injection (tests/faults): with
-    NEMO_DCR_RECEIVER_FAULT=kill-after:N the process SIGKILLs itself after N writes."""
-    spec = os.environ.get("NEMO_DCR_RECEIVER_FAULT", "")
-    if spec.startswith("kill-after:"):
-        fault_point.writes = getattr(fault_point, "writes", 0) + 1
-        if fault_point.writes >= int(spec.split(":")[1]):
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Journal:
@@ -93,7 +81,7 @@ class Journal:
         for name, pos, new in recs:
             b, a = digest.scatter_terms(flat_of(name), pos, new, OP_OVERWRITE)
             digest.add_terms(out, name, b, a)
-            fault_point()
+            faults.point("receiver.tensor_written")  # (a kill here tears the apply: replay completes it)
         return out
 
     def replay(self, flat_of) -> int | None:

@@ -13,7 +13,7 @@ import torch
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.bitops import bits
 from nemo_dcr_callback.protocol import commit
-from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower
+from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
@@ -78,19 +78,18 @@ def _digest_note(a: Applied) -> str:
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
                 timeout: float, apply: str = "loader", receiver_id: str | None = None,
                 fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
+    cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
     store = open_store(url)
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
-    if apply == "loader":  # through the model's own loading code (load_state_dict), see targets.py
+    if apply == "loader":  # through the model's own loading code (load_state_dict), see targets/loader.py
         from nemo_dcr_callback.receiver.targets import LoaderTarget
 
         shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
         target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes)
-        f = Follower(store, target, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
-                     idle_poll_s=idle_poll_s)
+        f = Follower(store, target, version=0, config=cfg)
     else:
-        f = Follower(store, tensors, version=0, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
-                     idle_poll_s=idle_poll_s)
+        f = Follower(store, tensors, version=0, config=cfg)
     freeze_long_lived()
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
@@ -133,10 +132,10 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
     """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
     from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
 
+    cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
     store = open_store(url)
     target = CheckpointDirTarget(model_dir)
-    f = Follower(store, target, version=target.version, receiver_id=receiver_id, fetch_lanes=fetch_lanes,
-                 idle_poll_s=idle_poll_s)
+    f = Follower(store, target, version=target.version, config=cfg)
     freeze_long_lived()
     _emit(json_lines, f"receiver: {model_dir} holds version {target.version}", event="ready",
           model_dir=str(model_dir), version=target.version)

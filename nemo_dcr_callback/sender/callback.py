@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,11 @@ try:  # lightning 2.x; NeMo 2 re-exports the same class
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - pytorch_lightning-only installs
     from pytorch_lightning import Callback  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from nemo_dcr_callback.protocol.commit import CommitPolicy
+    from nemo_dcr_callback.receiver.follow import FollowerConfig
+    from nemo_dcr_callback.sender.publisher import PublisherConfig
 
 
 # Benchmark instrumentation (`nemo-dcr bench overhead --alternate K`): publish only in every
@@ -35,7 +41,10 @@ ALTERNATE_ENV = "NEMO_DCR_BENCH_ALTERNATE"
 
 @dataclass
 class DCRConfig:
-    """Every option of the callback (configs/dcr.yaml documents each one)."""
+    """Every option of the callback (configs/dcr.yaml documents each one). The fields are flat:
+    they are the YAML surface (`dcr.store=...`). The components' configs are built from them
+    (publisher_config, verifier_config), which import the components' modules: a DCRConfig
+    alone stays light to build."""
 
     store: str | None = None  # URL (file:///path); None: file://<trainer.default_root_dir>/dcr-store
     family: str = "llama"  # placement table (nemo_dcr_callback.placement.FAMILIES)
@@ -54,6 +63,27 @@ class DCRConfig:
     part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, as soon as full
     baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
+
+    def commit_policy_config(self) -> CommitPolicy:
+        """What the committer (rank 0) does about slow or refusing receivers."""
+        from nemo_dcr_callback.protocol.commit import CommitPolicy
+
+        return CommitPolicy(self.commit_policy, self.ack_timeout, self.quorum)
+
+    def publisher_config(self) -> PublisherConfig:
+        """Every rank's Publisher."""
+        from nemo_dcr_callback.sender.publisher import PublisherConfig
+
+        return PublisherConfig(max_pending_bytes=self.max_pending_bytes, span=self.chunk_span, level=self.zstd_level,
+                               seal_timeout=self.seal_timeout, policy=self.commit_policy_config(),
+                               part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume)
+
+    def verifier_config(self) -> FollowerConfig:
+        """The `verify` option's in-process receiver on rank 0: no receiver id (it does not
+        take part in the commit), digests checked, the default timeouts."""
+        from nemo_dcr_callback.receiver.follow import FollowerConfig
+
+        return FollowerConfig()
 
 
 def _log_step(trainer, default: int) -> int:
@@ -77,7 +107,6 @@ class DCRCallback(Callback):
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         from nemo_dcr_callback.core.cuda_kernels import check_baseline_option
-        from nemo_dcr_callback.protocol.commit import CommitPolicy
 
         try:
             check_baseline_option(baseline)
@@ -86,7 +115,7 @@ class DCRCallback(Callback):
         self.cfg = DCRConfig(store, family, vocab_size, every_n_steps, max_pending_bytes, chunk_span, zstd_level,
                              keyframe, verify, seal_timeout, commit_policy, ack_timeout, quorum, keyframe_every,
                              part_bytes, baseline, resume)
-        self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)  # validates the options now
+        self.policy = self.cfg.commit_policy_config()  # validates the options now
         self.publisher = None
         self.steps = 0
         self._offset = 0
@@ -121,6 +150,8 @@ class DCRCallback(Callback):
 
         from nemo_dcr_callback.placement import FAMILIES, dense_export
         from nemo_dcr_callback.protocol import commit
+        from nemo_dcr_callback.receiver import Follower
+        from nemo_dcr_callback.receiver.rebuild import reconstruct
         from nemo_dcr_callback.sender.publisher import Publisher
         from nemo_dcr_callback.transport.store import open_store
 
@@ -137,20 +168,15 @@ class DCRCallback(Callback):
                 hf = getattr(pl_module, "dcr_hf_config", None)
                 commit.write_keyframe(store, 0, exp, hf().to_json_string() if hf is not None else None)
                 if self.cfg.verify:
-                    from nemo_dcr_callback.receiver import Follower
-
-                    self._verifier = Follower(store, {k: v.clone() for k, v in exp.items()}, version=0)
-        self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store,
-                                   max_pending_bytes=self.cfg.max_pending_bytes, span=self.cfg.chunk_span,
-                                   level=self.cfg.zstd_level, seal_timeout=self.cfg.seal_timeout, policy=self.policy,
-                                   part_bytes=self.cfg.part_bytes, baseline=self.cfg.baseline, resume=resuming)
+                    self._verifier = Follower(store, {k: v.clone() for k, v in exp.items()}, version=0,
+                                              config=self.cfg.verifier_config())
+        # resume only a store that held versions before this job wrote its keyframe
+        pub_cfg = replace(self.cfg.publisher_config(), resume=resuming)
+        self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store, config=pub_cfg)
         self._offset = self.publisher.version_offset  # versions continue after the store's newest
         if resuming and self.cfg.verify and rank == 0:
-            from nemo_dcr_callback.receiver import Follower
-            from nemo_dcr_callback.receiver.follow import reconstruct
-
             last = self.publisher.resumed_from
-            self._verifier = Follower(store, reconstruct(store, last), version=last)
+            self._verifier = Follower(store, reconstruct(store, last), version=last, config=self.cfg.verifier_config())
         self._family, self._vocab_n, self._model_ref = family, vocab, model
         if rank == 0:
             print(f"dcr: publishing to {store.url} every {self.cfg.every_n_steps} step(s) "

@@ -6,7 +6,10 @@ receivers' region (every receiver pulling from object storage, or a relay tree),
 at the receivers while parts stream in, then the ack -> decision round trip and the apply.
 The streamed stages overlap part by part: their time is the slowest stage plus the time of
 one part through each of the others (a pipeline's fill). Coefficients come from this
-project's benchmark results (benchmarks/results/*.json), each named with its source.
+project's benchmark results (benchmarks/results/*.json), each named with its source: the
+package carries them as planner_calibration.json (an installed planner has no results
+folder); `Coefficients.load(results_dir)` derives them from a folder of results instead, and
+`nemo-dcr plan --calibrate` rewrites the packaged file from one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nemo_dcr_callback.bench.results import RESULTS, write_json
+# The project's benchmark results, where validation reads its measured cases (a source checkout).
+RESULTS = Path("benchmarks") / "results"
+CALIBRATION = Path(__file__).with_name("planner_calibration.json")
+
+
+def write_json(path: str | Path, obj) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def _interp(table: dict[float, float], rate: float) -> float:
@@ -55,7 +66,27 @@ class Coefficients:
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, results: Path = RESULTS) -> Coefficients:
+    def load(cls, results: Path | None = None) -> Coefficients:
+        """The packaged calibration, or the coefficients derived from a folder of results."""
+        if results is None:
+            return cls.from_json(json.loads(CALIBRATION.read_text()))
+        return cls.derive(Path(results))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for k in ("ratio", "kernel", "encode", "decode", "apply"):
+            d[k] = {repr(x): y for x, y in d[k].items()}  # JSON keys are strings; repr round-trips floats
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Coefficients:
+        d = dict(d)
+        for k in ("ratio", "kernel", "encode", "decode", "apply"):
+            d[k] = {float(x): y for x, y in d[k].items()}
+        return cls(**d)
+
+    @classmethod
+    def derive(cls, results: Path) -> Coefficients:
         codec = json.loads((results / "codec.json").read_text())
         rows = {round(r["target_rate"], 4): r for r in codec["results"]}
         per = {k: {x: r["gbps_per_core"][k] for x, r in rows.items()} for k in ("kernel_input", "encode", "decode",
@@ -282,9 +313,17 @@ def print_plan(p: dict) -> None:
           f"{p['dense_s3_s']:.1f} s (every receiver from object storage)")
 
 
-def run_validate(json_path: str | None = None) -> list[dict]:
+def run_calibrate(results: Path = RESULTS, out: Path = CALIBRATION) -> Coefficients:
+    """Derive the coefficients from a folder of results and write them where load() finds them."""
+    co = Coefficients.derive(Path(results))
+    write_json(out, co.to_json())
+    print(f"wrote {out} (from {results})")
+    return co
+
+
+def run_validate(json_path: str | None = None, results: Path = RESULTS) -> list[dict]:
     """Prediction vs measurement for every benchmarked configuration (table; JSON)."""
-    rows = validate()
+    rows = validate(results)
     print(f"{'configuration':<46} {'predicted':>9} {'measured':>9} {'error':>7}  critical path")
     for r in rows:
         print(f"{r['case']:<46} {r['predicted_s']:8.2f}s {r['measured_s']:8.2f}s {100 * r['error']:+6.0f}%  "
@@ -292,7 +331,7 @@ def run_validate(json_path: str | None = None) -> list[dict]:
     ok = sum(abs(r["error"]) <= 0.2 for r in rows)
     print(f"{ok}/{len(rows)} within 20% (target: all)")
     if json_path:
-        write_json(json_path, {"validation": rows, "coefficients": asdict(Coefficients.load())}, quiet=True)
+        write_json(json_path, {"validation": rows, "coefficients": asdict(Coefficients.load(results))})
     return rows
 
 
@@ -305,5 +344,5 @@ def run_scenarios(json_path: str | None = None) -> list[dict]:
               f"{r['payload_GB']:7.1f}GB {r['total_s']:8.1f}s {r['dense_one_copy_s'] / 60:12.1f}min  "
               f"{r['critical_path']}")
     if json_path:
-        write_json(json_path, {"scenarios": rows}, quiet=True)
+        write_json(json_path, {"scenarios": rows})
     return rows

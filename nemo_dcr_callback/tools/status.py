@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import TypedDict
 
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, keys
 
 
 class VersionRow(TypedDict):
@@ -52,7 +52,7 @@ def collect(store, last: int = 10, live_s: float = 600.0) -> dict:
     rows: list[VersionRow] = []
     for v in vs[-last:] if last else []:
         rec, dec = commit.read_record(store, v), commit.read_decision(store, v)
-        acks = [n for n in store.children(f"{commit.vdir(v)}/acks") if n.endswith(".json")]
+        acks = [n for n in store.children(keys.acks_dir(v)) if n.endswith(".json")]
         state = dec["decision"] if dec else ("sealed" if rec else "open")
         t = dec["time"] if dec else (rec["time"] if rec else None)
         rows.append(VersionRow(version=v, state=state, base=rec["base"] if rec else None,

@@ -23,10 +23,8 @@ from urllib.parse import parse_qs, quote, urlencode, urlparse
 
 import xxhash
 
-from nemo_dcr_callback.transport.relay import CHECKSUM_HEADER
+from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, OBJECT_ROUTE, TOKEN_ENV
 from nemo_dcr_callback.transport.store import StoreError, long_polls
-
-TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
 
 
 class _Response(NamedTuple):
@@ -183,7 +181,7 @@ class RelayStore:
         return r
 
     def get(self, key: str) -> bytes:
-        r = self._req("GET", "/o/" + quote(key))
+        r = self._req("GET", OBJECT_ROUTE + quote(key))
         if r.status == 404:
             raise KeyError(key)
         data = r.data
@@ -193,7 +191,7 @@ class RelayStore:
         return data
 
     def exists(self, key: str) -> bool:
-        return self._req("HEAD", "/o/" + quote(key)).status == 200
+        return self._req("HEAD", OBJECT_ROUTE + quote(key)).status == 200
 
     def list(self, prefix: str) -> list[str]:
         return json.loads(self._req("GET", "/list", fields={"prefix": prefix}).data)
@@ -202,13 +200,13 @@ class RelayStore:
         return json.loads(self._req("GET", "/children", fields={"prefix": prefix}).data)
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
-        r = self._req("PUT", "/o/" + quote(key), body=data)
+        r = self._req("PUT", OBJECT_ROUTE + quote(key), body=data)
         _refused(r, key, self.url)
         if r.status != 200:
             raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        r = self._req("PUT", "/o/" + quote(key) + "?if_absent=1", body=data)
+        r = self._req("PUT", OBJECT_ROUTE + quote(key) + "?if_absent=1", body=data)
         _refused(r, key, self.url)
         if r.status not in (200, 412):
             raise StoreError(f"relay at {self.url} refused PUT {key} (HTTP {r.status}): {_error(r)}")

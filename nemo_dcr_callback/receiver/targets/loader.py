@@ -1,106 +1,34 @@
-"""Receiver targets: where verified chunks land.
+"""LoaderTarget: a live model whose own loader places weights (vLLM-style
+`load_weights(iterable of (name, tensor))`, which may rename, fuse or split tensors).
 
-- `StateDictTarget`: canonical tensors by name (a Hugging Face model's state_dict(), whose
-  tensors share storage with the parameters). Positions are applied directly.
-- `LoaderTarget`: a live model whose own loader places weights (vLLM-style
-  `load_weights(iterable of (name, tensor))`, which may rename, fuse or split tensors). Per
-  canonical tensor, the model's loader is called on a scratch tensor under a dispatch mode
-  that turns every copy from it into model storage into the chunk's operation: the model's
-  own code decides where each element goes. A copy of a contiguous part of the scratch into
-  contiguous model storage (a rename, a fused qkv's slice, a row split) takes the changes
-  that fall in that part straight to the destination (the compiled sparse scatter: the
-  scratch is never written); a copy of a strided part (a column shard) or into a strided
-  destination (a transposed parameter) locates each change by its index in the view, still
-  sparse; only overlapping or broadcast views fill the scratch densely first (zeros with
-  the changes, or a sentinel for overwrites) and combine it whole (XOR, ulp addition, or
-  overwrite of the entries not holding the sentinel). Which names the loader moves as plain
-  copies (the condition for all three) is learned once, at start-up, by a no-op pass that
-  watches the loader's copies; other names are refused with a clear error.
+Per canonical tensor, the model's loader is called on a scratch tensor under a dispatch mode
+that turns every copy from it into model storage into the chunk's operation: the model's own
+code decides where each element goes. A copy of a contiguous part of the scratch into
+contiguous model storage (a rename, a fused qkv's slice, a row split) takes the changes that
+fall in that part straight to the destination (the compiled sparse scatter: the scratch is
+never written); a copy of a strided part (a column shard) or into a strided destination (a
+transposed parameter) locates each change by its index in the view, still sparse; only
+overlapping or broadcast views fill the scratch densely first (zeros with the changes, or a
+sentinel for overwrites) and combine it whole (XOR, ulp addition, or overwrite of the
+entries not holding the sentinel). Which names the loader moves as plain copies (the
+condition for all three) is learned once, at start-up, by a no-op pass that watches the
+loader's copies; other names are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_add_reference
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _apply_pool() -> ThreadPoolExecutor | None:
-    """Threads for the receiver's apply (None on one core)."""
-    global _POOL
-    n = min(4, os.cpu_count() or 1)
-    if n < 2:
-        return None
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(n, thread_name_prefix="nemo-dcr-apply")
-    return _POOL
-
-
-class StateDictTarget:
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def check(self, h: codec.ChunkHeader) -> None:
-        t = self.tensors.get(h.name)
-        if t is None:
-            raise codec.ChunkError(f"receiver has no tensor {h.name!r} (wrong model?)")
-        if not t.is_contiguous():
-            raise codec.ChunkError(f"receiver tensor {h.name!r} is not contiguous")
-        codec.check_target(h, t, h.name)
-
-    def apply(self, decoded: list[codec.DecodedChunk]) -> None:
-        for d in decoded:
-            codec.apply_decoded(d, self.tensors[d.header.name].view(-1))
-
-    def apply_with_terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, tuple[int, int]]:
-        """apply() fused with the digest check: per tensor, the digest terms of the touched
-        elements before and after (read from the tensors themselves in the same pass)."""
-        from nemo_dcr_callback.codec import digest
-
-        def one(d: codec.DecodedChunk) -> tuple[int, int]:
-            return digest.scatter_terms(self.tensors[d.header.name].view(-1), d.positions, d.values, d.op)
-
-        # Chunks touch disjoint positions and the terms add up in any order, so they are applied
-        # on a few threads (the compiled scatter runs without the GIL): the apply sits after the
-        # commit decision, on the refit's critical path.
-        pool = _apply_pool() if len(decoded) > 1 else None
-        terms = list(pool.map(one, decoded)) if pool is not None else [one(d) for d in decoded]
-        out: dict[str, tuple[int, int]] = {}
-        for d, (b, a) in zip(decoded, terms, strict=True):
-            digest.add_terms(out, d.header.name, b, a)
-        return out
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def flat(self, name: str) -> torch.Tensor:
-        return self.tensors[name].view(-1)
-
-
-def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
-    """Apply chunks to canonical tensors: every chunk is checked and decoded before any is
-    applied. Returns the number of changed elements."""
-    target = StateDictTarget(state)
-    decoded = []
-    for c in chunks:
-        h = codec.parse_header(c)
-        target.check(h)
-        decoded.append(codec.decode_chunk(c, h))
-    target.apply(decoded)
-    return sum(d.header.count for d in decoded)
 
 
 def _span(positions: torch.Tensor, off: int, n: int) -> tuple[int, int]:
@@ -241,8 +169,6 @@ class _Combine(TorchDispatchMode):
 
     def _sparse(self, sc: _Scratch, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The changes in src's range of the scratch, scattered into dst at the same offsets."""
-        from nemo_dcr_callback.codec import digest
-
         off, n = src.storage_offset() - sc.buf.storage_offset(), src.numel()
         flat = dst.view(-1)
         acc = self.terms.setdefault(sc.name, [0, 0]) if (
@@ -361,8 +287,6 @@ class LoaderTarget:
     def digest_of(self, name: str) -> int | None:
         """The digest of the canonical tensor as the model holds it, or None if the model does
         not hold all of it (then it is not checked)."""
-        from nemo_dcr_callback.codec import digest
-
         segs = self._segments.get(name)
         if segs is not None:
             return sum(digest.sum64(flat, base=off) for off, _, flat in segs) & digest.MASK
@@ -388,8 +312,6 @@ class LoaderTarget:
         elements in canonical positions: from the sparse copies themselves where the tensor is
         held in contiguous segments, else read densely (canonical()) before and after. Tensors
         the model does not hold whole get none (the follower does not check them)."""
-        from nemo_dcr_callback.codec import digest
-
         names = {d.header.name for d in decoded} & self._whole
         dense = {n: self.canonical(n) for n in names if self._segments[n] is None or not self.sparse}
         terms: dict[str, list[int]] = {n: [0, 0] for n in names if n not in dense}
@@ -434,162 +356,3 @@ class LoaderTarget:
             if cand not in used:
                 return cand
         raise codec.ChunkError("no free sentinel for an overwrite chunk")
-
-
-class CheckpointDirTarget:
-    """A Hugging Face checkpoint directory patched in place, crash-safe.
-
-    Each version is first turned into a redo log: the new bits at every changed position
-    (computed from the file's current bits), written and fsynced under `.nemo-dcr/`, and
-    recorded as pending in `.nemo-dcr/state.json`; only then are the safetensors files
-    written (memory-mapped) and flushed, and the state moved to the new version. Replaying
-    the redo log is idempotent (overwrites), so a crash anywhere leaves a directory that the
-    next open completes: never half-applied, never reloaded from scratch.
-    """
-
-    def __init__(self, path):
-        import json
-        import mmap
-        from pathlib import Path
-
-        from nemo_dcr_callback.tools.checkpoint import Checkpoint
-
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise FileNotFoundError(f"model directory {self.path} does not exist (or is not a directory)")
-        ck = Checkpoint(self.path)  # a directory that is not a checkpoint is refused before anything is written
-        self.meta = self.path / ".nemo-dcr"
-        self.meta.mkdir(exist_ok=True)
-        self.where = {name: ck.files[f] for name, f in ck.where.items()}
-        ck_files = ck.files
-        self._maps = {}
-        for fname, sf in ck_files.items():
-            f = open(sf.path, "r+b")
-            self._maps[fname] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE))
-        self._file_of = dict(ck.where)
-        state_p = self.meta / "state.json"
-        self.version = 0
-        if state_p.exists():
-            st = json.loads(state_p.read_text())
-            self.version = st["version"]
-            if st.get("pending"):
-                self._replay(self.meta / st["pending"])
-                self.version = st["pending_version"]
-                self._write_state(self.version, None, None)
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def flat(self, name: str) -> torch.Tensor:
-        return self.tensor(name).view(-1)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        sf = self.where[name]
-        e = sf.entries[name]
-        _, mm = self._maps[self._file_of[name]]
-        info = codec.dtype_info(e.dtype)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=sf.data_offset + e.begin)
-        return raw.view(info.torch)
-
-    def check(self, h: codec.ChunkHeader) -> None:
-        if h.name not in self.where:
-            raise codec.ChunkError(f"checkpoint has no tensor {h.name!r} (wrong model?)")
-        codec.check_target(h, self.tensor(h.name), h.name)
-
-    def _write_state(self, version: int, pending: str | None, pending_version: int | None) -> None:
-        import json
-        import os
-
-        tmp = self.meta / "state.json.tmp"
-        tmp.write_text(json.dumps({"version": version, "pending": pending, "pending_version": pending_version}))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.meta / "state.json")
-
-    def apply(self, decoded: list[codec.DecodedChunk], version: int | None = None) -> None:
-        self.apply_with_terms(decoded, version)
-
-    def apply_with_terms(self, decoded: list[codec.DecodedChunk],
-                         version: int | None = None) -> dict[str, tuple[int, int]]:
-        """Redo log first (fsynced, recorded as pending), then the overwrite from the records
-        in memory; per tensor, the digest terms of the touched elements before and after."""
-        import os
-
-        from nemo_dcr_callback.receiver.journal import Journal
-
-        if version is None:
-            raise ValueError("CheckpointDirTarget.apply needs the version (for its redo log)")
-        records = Journal.records(self.flat, decoded)  # new bits, from the file's current bits
-        redo = f"redo-{version:010d}.pt"
-        with open(self.meta / redo, "wb") as f:
-            torch.save(records, f)
-            f.flush()
-            os.fsync(f.fileno())
-        self._write_state(self.version, redo, version)
-        terms = self._overwrite(records)
-        self._write_state(version, None, None)
-        (self.meta / redo).unlink(missing_ok=True)
-        self.version = version
-        return terms
-
-    def _replay(self, redo_path) -> None:
-        self._overwrite(torch.load(redo_path, weights_only=True))
-
-    def _overwrite(self, records) -> dict[str, tuple[int, int]]:
-        """Write the records' bits into the files (idempotent) and flush them to disk."""
-        import os
-
-        from nemo_dcr_callback.codec import digest
-
-        out: dict[str, tuple[int, int]] = {}
-        for name, pos, new in records:
-            b, a = self._write_record(name, pos, new)
-            digest.add_terms(out, name, b, a)
-            self._crash_point()
-        for f, mm in self._maps.values():
-            mm.flush()
-            os.fsync(f.fileno())
-        return out
-
-    def _write_record(self, name: str, pos: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
-        """One record's overwrite, with its digest terms. Where its changes are dense enough
-        that nearly every page of their span gets one, the span is patched in a copy and
-        written with one pwrite: dirtying a file's pages through the map costs a write fault
-        each (50-55 ms for a 64 MB file here, against 12 ms for the pwrite of it). Sparse ones
-        are written through the map."""
-        import os
-
-        from nemo_dcr_callback.codec import digest
-
-        flat = self.flat(name)
-        lo, hi = (int(pos[0]), int(pos[-1]) + 1) if pos.numel() else (0, 0)
-        if not pos.numel() or pos.numel() * 512 < hi - lo:
-            return digest.scatter_terms(flat, pos, new, OP_OVERWRITE)
-        span = flat[lo:hi].clone()
-        terms = digest.scatter_terms(span, pos, new, OP_OVERWRITE, offset=lo)
-        sf, e = self.where[name], self.where[name].entries[name]
-        f, _ = self._maps[self._file_of[name]]
-        data = span.view(torch.uint8).numpy()
-        off = sf.data_offset + e.begin + lo * span.element_size()
-        while data.size:  # (pwrite may write less than asked)
-            k = os.pwrite(f.fileno(), data, off)
-            data, off = data[k:], off + k
-        return terms
-
-    def _crash_point(self) -> None:
-        """Between two tensor writes of a replay (fault injection: journal.fault_point)."""
-        from nemo_dcr_callback.receiver.journal import fault_point
-
-        fault_point()
-
-    def close(self) -> None:
-        import gc
-
-        gc.collect()  # drop tensor views of the maps
-        for f, mm in self._maps.values():
-            try:
-                mm.flush()
-                mm.close()
-            except BufferError:
-                pass
-            f.close()

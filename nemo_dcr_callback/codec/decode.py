@@ -1,0 +1,120 @@
+"""Chunk decoding: verify, decode and apply one chunk.
+
+The checksum is verified first and every field bounds-checked (format.parse_header) before
+anything is written, so a corrupt or hostile chunk raises `ChunkError` and leaves the target
+untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from nemo_dcr_callback.codec.format import ZSTD, ChunkError, ChunkHeader, Kind, Layout, ValueMode, parse_header
+from nemo_dcr_callback.codec.streams import GapMode, StreamError, decode_gaps, join_planes, token_values
+from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, index_dtype, scatter
+
+_tls = threading.local()
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (zstandard objects are not thread-safe; one per chunk is slow)."""
+    d = getattr(_tls, "zd", None)
+    if d is None:
+        d = _tls.zd = zstandard.ZstdDecompressor()
+    return d
+
+
+def _unzstd(data: memoryview, raw: int) -> np.ndarray:
+    """One zstd stream of exactly `raw` bytes; ChunkError on anything else."""
+    try:
+        # a frame that declares more than the header's raw size is refused before
+        # anything is allocated (a crafted size must not become a huge allocation)
+        declared = zstandard.frame_content_size(data)
+        if declared > raw:
+            raise ChunkError(f"zstd stream declares {declared} bytes, the header {raw}")
+        dec = _zd().decompress(data, max_output_size=raw)
+    except (zstandard.ZstdError, MemoryError) as exc:
+        raise ChunkError(f"zstd stream corrupt: {type(exc).__name__} {exc}") from None
+    if len(dec) != raw:
+        raise ChunkError("zstd stream has the wrong length")
+    return np.frombuffer(dec, dtype=np.uint8)
+
+
+def _streams(mv: memoryview, h: ChunkHeader) -> list[np.ndarray]:
+    """The chunk's streams, zstd undone (rANS streams stay coded: the layout decodes them)."""
+    out, off = [], h.payload_offset
+    for raw, stored, codec in h.streams:
+        data = mv[off:off + stored]
+        off += stored
+        out.append(_unzstd(data, raw) if codec == ZSTD else np.frombuffer(data, dtype=np.uint8))
+    return out
+
+
+@dataclass
+class DecodedChunk:
+    header: ChunkHeader
+    positions: torch.Tensor  # flat positions (int32/int64), strictly increasing
+    values: torch.Tensor  # in the chunk's coding: XOR bits, zig-zag ulp or new bits
+
+    @property
+    def op(self) -> int:
+        h = self.header
+        if h.kind == Kind.OVERWRITE:
+            return OP_OVERWRITE
+        return OP_ULP if h.value_mode == ValueMode.ULP else OP_XOR
+
+
+def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None) -> DecodedChunk:
+    """Verify and decode a chunk; raises ChunkError on anything malformed.
+
+    Memory is bounded by the header's count (<= numel): callers that know the target check
+    the header against it first (apply_chunk does), so a hostile numel never allocates.
+    """
+    mv = memoryview(buf)
+    h = header or parse_header(mv)
+    try:
+        st = _streams(mv, h)
+        idt = index_dtype(h.numel)
+        if h.gap_mode == GapMode.DENSE:
+            pos = torch.arange(h.lo, h.hi, dtype=idt)
+        else:
+            pos = decode_gaps(st.pop(0), h.gap_mode, h.count, h.lo, h.hi, idt)
+        bdt = BITS_DTYPE[h.dtype.width]
+        if h.layout == Layout.PLANES:
+            vals = join_planes(np.concatenate(st) if st else np.empty(0, np.uint8), h.count, bdt)
+        else:
+            vals = token_values(st[0], h.count, st[1], bdt)
+    except StreamError as exc:
+        raise ChunkError(f"chunk for {h.name!r}: {exc}") from None
+    return DecodedChunk(h, pos, vals)
+
+
+def check_target(h: ChunkHeader, target: torch.Tensor, name: str | None) -> None:
+    """ChunkError unless the chunk is for this tensor (name, dtype, element count)."""
+    if name is not None and h.name != name:
+        raise ChunkError(f"chunk is for tensor {h.name!r}, not {name!r}")
+    if target.dtype != h.dtype.torch:
+        raise ChunkError(f"chunk for {h.name!r} carries {h.dtype.name}, target is {target.dtype}")
+    if target.numel() != h.numel:
+        raise ChunkError(f"chunk for {h.name!r} spans {h.numel} elements, target has {target.numel()}")
+
+
+def apply_decoded(d: DecodedChunk, target: torch.Tensor) -> None:
+    """Write a decoded (hence verified) chunk into target in place."""
+    scatter(target, d.positions, d.values, d.op)
+
+
+def apply_chunk(buf: bytes | memoryview, target: torch.Tensor, name: str | None = None) -> ChunkHeader:
+    """Verify, decode and apply one chunk to target (flat canonical tensor) in place.
+
+    Raises ChunkError, with target untouched, on any corruption or mismatch.
+    """
+    h = parse_header(buf)
+    check_target(h, target, name)
+    apply_decoded(decode_chunk(buf, h), target)
+    return h

@@ -1,0 +1,175 @@
+"""`nemo-dcr bench ...`: the benchmarks. Each imports its implementation (bench/) inside run,
+never at module level: product code does not depend on the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+from nemo_dcr_callback.commands.base import Command, positive, rates
+
+
+def _torchrun_arguments(p: argparse.ArgumentParser, pp: int, extra: str) -> None:
+    """A benchmark that launches torchrun: --tp, --pp, --json and pass-through options."""
+    p.add_argument("--tp", type=positive, default=2)
+    p.add_argument("--pp", type=positive, default=pp)
+    p.add_argument("--json", default=None)
+    p.add_argument("extra", nargs=argparse.REMAINDER, help=extra)
+
+
+def _torchrun(nproc: int, module: str, args: list[str]) -> int:
+    """Run a module under torchrun on this host (gloo on CPU)."""
+    import subprocess
+
+    from nemo_dcr_callback.testing.launch import torchrun_cmd
+
+    return subprocess.run(torchrun_cmd(nproc, ["-m", module, *args])).returncode
+
+
+# ----------------------------------------------------------------------- codec
+def _codec_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=positive, default=1 << 26, help="synthetic parameters (default 64M)")
+    p.add_argument("--change-rates", type=rates, default=[0.01, 0.03, 0.05])
+    p.add_argument("--reps", type=positive, default=5, help="timed repetitions (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+
+
+def _codec(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import codec
+
+    codec.run(args.params, tuple(args.change_rates), args.reps, args.seed, args.json)
+    return 0
+
+
+# ------------------------------------------------------------------- placement
+def _placement_arguments(p: argparse.ArgumentParser) -> None:
+    _torchrun_arguments(p, pp=1, extra="model options passed through (--layers, --hidden, ...)")
+    p.add_argument("--rate", type=float, default=0.03)
+
+
+def _placement(args: argparse.Namespace) -> int:
+    return _torchrun(args.tp * args.pp, "nemo_dcr_callback.bench.placement",
+                     ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
+                     + (["--json", args.json] if args.json else []) + list(args.extra))
+
+
+# -------------------------------------------------------------------- overhead
+def _overhead_arguments(p: argparse.ArgumentParser) -> None:
+    _torchrun_arguments(p, pp=2, extra="Hydra overrides for both runs")
+    p.add_argument("--steps", type=positive, default=30)
+    p.add_argument("--pairs", type=positive, default=2)
+    p.add_argument("--alternate", type=int, default=0, metavar="K",
+                   help="instead of runs with and without the callback: runs that publish in every other "
+                        "block of K steps, compared block by block (default 0: separate runs)")
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import overhead
+
+    overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra),
+                 alternate=args.alternate)
+    return 0
+
+
+# ----------------------------------------------------------------------- refit
+def _refit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=positive, default=1 << 29, help="synthetic BF16 parameters (default 0.5G: 1 GB)")
+    p.add_argument("--mbit", type=float, default=100.0, help="link rate each way, Mbit/s")
+    p.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
+    p.add_argument("--part-bytes", type=positive, default=1 << 20)
+    p.add_argument("--repeats", type=positive, default=3,
+                   help="versions per change rate; the table shows each rate's median version")
+    p.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed",
+                   help="the receiver applies the parts it holds once the version is sealed (sealed, the "
+                        "default), parts as they arrive (early), or everything after the commit (late)")
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
+
+
+def _refit(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import refit
+
+    refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
+              json_path=args.json, apply=args.apply, repeats=args.repeats)
+    return 0
+
+
+# --------------------------------------------------------------------- receive
+def _receive_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=positive, default=1 << 25, help="synthetic BF16 parameters (default 32M)")
+    p.add_argument("--rate", type=float, default=0.03, help="change rate")
+    p.add_argument("--versions", type=positive, default=5)
+    p.add_argument("--rounds", type=positive, default=3, help="each kind of receiver applies the chain this often")
+    p.add_argument("--kinds", default="state-dict,loader,loader-dense,checkpoint-dir",
+                   help="receivers to compare, comma-separated")
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/receive.json)")
+
+
+def _receive(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import receive
+
+    receive.run(args.params, args.rate, args.versions, args.rounds, tuple(args.kinds.split(",")),
+                json_path=args.json)
+    return 0
+
+
+# ----------------------------------------------------------------------- relay
+def _relay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=positive, default=1 << 27, help="synthetic BF16 parameters (default 128M)")
+    p.add_argument("--mbit", type=float, default=100.0, help="inter-region link rate each way, Mbit/s")
+    p.add_argument("--rate", type=float, default=0.03, help="change rate")
+    p.add_argument("--receivers", type=positive, default=4, help="receivers per region")
+    p.add_argument("--scenarios", default="dense-s3,dcr-s3,dcr-relay,dcr-relay-1,loopback",
+                   help="which to run, comma-separated (the 1.3x ratio needs dcr-relay and dcr-relay-1; "
+                        "loopback: one relay's serving rate)")
+    p.add_argument("--versions", type=positive, default=5, help="versions per DCR scenario (the first, on cold "
+                   "connections, is the slowest; the table gives medians)")
+    p.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed",
+                   help="receivers apply the parts held once the version is sealed, before acking (sealed, the "
+                        "default, as in bench refit), after the commit (late), or as parts arrive (early)")
+    p.add_argument("--rounds", type=positive, default=1,
+                   help="run the DCR scenarios this many times, in turn (medians over every round's versions; "
+                        "the host drifts between scenarios)")
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/relay.json)")
+    p.add_argument("--access-logs", default=None, metavar="DIR",
+                   help="every relay writes its access log here (SCENARIO-RELAY.jsonl), to trace a failed run")
+
+
+def _relay(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import relay
+
+    relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
+              scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds,
+              access_logs=args.access_logs)
+    return 0
+
+
+# ------------------------------------------------------------------------ cuda
+def _cuda_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mib", default="256,1024", help="timed input sizes in MiB, comma-separated")
+    p.add_argument("--rates", default="0.01,0.03,0.05", help="change rates, comma-separated")
+    p.add_argument("--reps", type=positive, default=10, help="timed repetitions (median)")
+    p.add_argument("--json", default=None, help="results file (default: $OUT/cuda.json or benchmarks/results/)")
+    p.add_argument("--skip-check", action="store_true", help="timings only")
+
+
+def _cuda(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import cuda
+
+    return cuda.run([int(x) for x in args.sizes_mib.split(",") if x], [float(x) for x in args.rates.split(",") if x],
+                    args.reps, args.json, check=not args.skip_check)
+
+
+COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
+    Command("codec", "codec ratio and speed vs simple schemes and the bound", _codec, _codec_arguments),
+    Command("placement", "map building and projection speed (launches torchrun)", _placement,
+            _placement_arguments),
+    Command("overhead", "training-step time with and without the callback (torchrun)", _overhead,
+            _overhead_arguments),
+    Command("refit", "end-to-end refit over a tbf-shaped link: dense vs DCR via S3 (root)", _refit,
+            _refit_arguments),
+    Command("receive", "a receiver's apply per version: state dict, the model's loader, a checkpoint dir", _receive,
+            _receive_arguments),
+    Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,
+            _relay_arguments),
+    Command("cuda", "CUDA kernels: check vs the CPU reference, time vs a device copy (GPU)", _cuda, _cuda_arguments),
+))

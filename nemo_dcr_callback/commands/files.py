@@ -1,0 +1,92 @@
+"""File commands: diff two checkpoints, patch a checkpoint with a delta, describe a delta."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from nemo_dcr_callback.commands.base import Command, positive
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def print_stats(st: dict) -> None:
+    """A delta file's stats (tools.deltafile.stats) as a table."""
+    print(f"tensors            {st['tensors']} ({st['full_tensors']} sent whole, {st['removed_tensors']} removed)")
+    print(f"params             {st['params']:,}")
+    print(f"changed            {st['changed']:,} ({st['change_rate']:.3%} of delta-coded params)")
+    print(f"delta size         {_human(st['bytes'])} (payload {_human(st['payload_bytes'])})")
+    print(f"dense size         {_human(st['dense_bytes'])}")
+    print(f"bits per param     {st['bits_per_param']:.4f}")
+    print(f"ratio vs dense     {st['ratio_vs_dense']:.1f}x")
+    print(f"bound (xor)        {_human(st['xor_bound_bytes'])}  efficiency {st['efficiency_vs_xor_bound']:.3f}")
+    print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f}")
+
+
+# ------------------------------------------------------------------------ diff
+def _diff_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("old", help="a .safetensors file or a Hugging Face checkpoint directory")
+    p.add_argument("new", help="the same kind of checkpoint, after training")
+    p.add_argument("-o", "--output", required=True, help="delta file to write")
+    p.add_argument("--chunk-span", type=positive, default=None, help="positions per chunk (default 2^24)")
+    p.add_argument("--level", type=int, default=1, help="zstd level for zstd-coded streams (default 1)")
+    p.add_argument("-q", "--quiet", action="store_true")
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.codec import DEFAULT_CHUNK_SPAN
+    from nemo_dcr_callback.tools.deltafile import diff, stats
+
+    diff(args.old, args.new, args.output, span=args.chunk_span or DEFAULT_CHUNK_SPAN, level=args.level,
+         quiet=args.quiet)
+    if not args.quiet:
+        print_stats(stats(args.output))
+    return 0
+
+
+# ----------------------------------------------------------------------- patch
+def _patch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("base")
+    p.add_argument("delta")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("-q", "--quiet", action="store_true")
+
+
+def _patch(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.tools.deltafile import patch
+
+    patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet)
+    if not args.quiet:
+        print(f"wrote {args.output} (every tensor digest verified)")
+    return 0
+
+
+# ----------------------------------------------------------------------- stats
+def _stats_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("delta")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.tools.deltafile import stats
+
+    st = stats(args.delta)
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print_stats(st)
+    return 0
+
+
+COMMANDS = (
+    Command("diff", "write the delta between two checkpoints", _diff, _diff_arguments),
+    Command("patch", "apply a delta to BASE, writing OUT (BASE is never modified)", _patch, _patch_arguments),
+    Command("stats", "describe a delta file", _stats, _stats_arguments),
+)

@@ -1,0 +1,140 @@
+"""Every key of the store, in one place (docs/PROTOCOL.md).
+
+Keys under the store's root:
+
+    versions/{v}/rank-{r}/part-{n}.dcr  chunks back to back, each part uploaded as soon as it
+                                        is full (receivers may fetch them while later ones are
+                                        still being encoded)
+    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums, the rank's
+                                        additive digests; written after its last part
+    versions/{v}/VERSION.json           VersionRecord, once every rank's manifest exists:
+                                        base, totals, per-tensor digests (If-None-Match)
+    versions/{v}/acks/{receiver}.json   Ack: the receiver fetched and verified every chunk and
+                                        holds the base (or a refusal, with the reason)
+    versions/{v}/DECISION.json          Decision: commit or abort, written with If-None-Match
+                                        so exactly one writer decides; commit binds v as the
+                                        baseline of the next delta
+    receivers/{id}.json                 a receiver's registration: the version it holds
+    keyframe/{v}/model.safetensors      a full canonical checkpoint (+ config.json, KEYFRAME.json)
+    verify/{v}/model.safetensors        verify mode only: the dense export of version v
+    stats/rank-{r}.json                 a sender rank's timings, written when training ends
+
+({v} is zero-padded to 10 digits, {r} to 5, {n} to 6.) Where a version comes from a listing
+(a folder name, as listed), the functions taking `v` take that name as it is.
+"""
+
+from __future__ import annotations
+
+VERSIONS = "versions"
+RECEIVERS = "receivers"
+KEYFRAMES = "keyframe"
+VERIFY = "verify"
+STATS = "stats"
+ACKS = "acks"  # the folder of a version's acks
+VERSION_FILE = "VERSION.json"
+DECISION_FILE = "DECISION.json"
+KEYFRAME_FILE = "KEYFRAME.json"
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PART_SUFFIX = ".dcr"
+
+
+def _num(v: int | str) -> str:
+    """A version's folder name: numbers zero-padded, names from a listing as they are."""
+    return v if isinstance(v, str) else f"{v:010d}"
+
+
+# ------------------------------------------------------------------ one version
+def vdir(v: int | str) -> str:
+    return f"{VERSIONS}/{_num(v)}"
+
+
+def part_key(v: int, r: int, n: int) -> str:
+    return f"{vdir(v)}/rank-{r:05d}/part-{n:06d}{PART_SUFFIX}"
+
+
+def rank_manifest(v: int, r: int) -> str:
+    return f"{vdir(v)}/rank-{r:05d}.json"
+
+
+def version_record(v: int | str) -> str:
+    return f"{vdir(v)}/{VERSION_FILE}"
+
+
+def acks_dir(v: int) -> str:
+    return f"{vdir(v)}/{ACKS}"
+
+
+def ack_key(v: int, receiver: str) -> str:
+    return f"{acks_dir(v)}/{receiver}.json"
+
+
+def decision_key(v: int | str) -> str:
+    return f"{vdir(v)}/{DECISION_FILE}"
+
+
+# ------------------------------------------------------------------ outside the versions
+def receiver_key(receiver: str) -> str:
+    return f"{RECEIVERS}/{receiver}.json"
+
+
+def keyframe_dir(v: int | str) -> str:
+    return f"{KEYFRAMES}/{_num(v)}"
+
+
+def keyframe_record(v: int | str) -> str:
+    """The record written last: a keyframe that has one is complete."""
+    return f"{keyframe_dir(v)}/{KEYFRAME_FILE}"
+
+
+def keyframe_model(v: int | str) -> str:
+    return f"{keyframe_dir(v)}/{MODEL_FILE}"
+
+
+def keyframe_config(v: int | str) -> str:
+    return f"{keyframe_dir(v)}/{CONFIG_FILE}"
+
+
+def verify_dir(v: int) -> str:
+    return f"{VERIFY}/{_num(v)}"
+
+
+def verify_key(v: int) -> str:
+    return f"{verify_dir(v)}/{MODEL_FILE}"
+
+
+def stats_key(rank: int) -> str:
+    return f"{STATS}/rank-{rank:05d}.json"
+
+
+# ------------------------------------------------------------------ what a key is
+def is_mutable(key: str) -> bool:
+    """Acks and registrations: they may appear or change at any time (never cached as present);
+    every other object is written once."""
+    return key.startswith(f"{RECEIVERS}/") or is_ack(key)
+
+
+def is_ack(key: str) -> bool:
+    return f"/{ACKS}/" in key
+
+
+def is_part(key: str) -> bool:
+    return key.endswith(PART_SUFFIX)
+
+
+def is_rank_manifest(key: str) -> bool:
+    return "/rank-" in key and key.endswith(".json")
+
+
+def is_record_or_decision(key: str) -> bool:
+    """A version's record or decision: asked for before it exists (receivers wait for them)."""
+    return key.endswith((f"/{VERSION_FILE}", f"/{DECISION_FILE}"))
+
+
+def version_dir_of(key: str) -> str | None:
+    """The folder of the version whose object `key` is (versions/{v}), or None for a key that
+    is not inside a version's folder (a version folder itself, or outside the versions)."""
+    path = key.split("/")
+    if len(path) < 3 or path[0] != VERSIONS:
+        return None
+    return vdir(path[1])

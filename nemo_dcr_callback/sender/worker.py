@@ -1,0 +1,206 @@
+"""The Publisher's background worker: a low-priority process (or a thread of the trainer's).
+
+Two stages, each in version order: the upload stage (the worker's main thread) encodes each
+queued version and streams its parts and manifest to the store; the commit stage (a thread)
+seals it and runs the joint commit on rank 0, or waits for the decision on other ranks. So
+version k+1 is encoded and uploaded while k waits for receivers' acks. Every job is answered
+(messages.py): Uploaded, then Decided, or Failed; after a failure every later job fails too
+until the trainer, having undone them, sends Reset.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nemo_dcr_callback import faults
+from nemo_dcr_callback.placement import Placement
+from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Reset, Stop, Uploaded
+from nemo_dcr_callback.sender.shard import ShardSender
+from nemo_dcr_callback.sender.shm import unpack
+from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
+
+DECISION_POLL_S = 0.05  # how often ranks other than 0 first look for a version's decision,
+DECISION_MAX_POLL_S = 1.0  # then less and less often, up to this: they are off the refit's path
+# (receivers read the decision themselves; a rank only drops or undoes its undo log on it), and
+# on S3 each look is a GET, from every rank of the job: 20 a second each at 50 ms throughout
+
+
+@dataclass
+class WorkerSpec:
+    """What the worker needs: the maps without the parameters, and where to write."""
+
+    placement: Placement
+    store_url: str
+    rank: int
+    world: int
+    span: int
+    level: int
+    seal_timeout: float
+    nice: int
+    policy: commit.CommitPolicy
+    base_version: int
+    digests: dict[str, int]  # this rank's slice digests at base_version
+    part_bytes: int = 4 << 20
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A version uploaded, for the commit stage."""
+
+    version: int
+    base: int
+    stats: PublishStats
+
+
+def lower_priority(nice: int) -> None:
+    """Run the calling thread (a worker process: the whole process) at this nice value; at 19,
+    in a process, only on otherwise idle CPU."""
+    if nice and hasattr(os, "setpriority"):
+        try:  # Linux: a thread is a task with its own nice value; a process, likewise
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+    if nice >= 19 and hasattr(os, "sched_setscheduler") and threading.current_thread() is threading.main_thread():
+        try:  # a worker process runs only on otherwise idle CPU: any training thread preempts it at once
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+
+
+def _error(version: int, exc: Exception) -> Failed:
+    return Failed(version, f"{type(exc).__name__}: {exc}")
+
+
+class _Worker:
+    """The two stages' shared state: this rank's slice digests per version (each version's
+    encoding starts from its base's) and each version's decision (a version on an aborted
+    base is aborted unsent)."""
+
+    def __init__(self, spec: WorkerSpec, store, results):
+        self.spec, self.store, self.results = spec, store, results
+        self.encoder = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
+        self.encoder.placement, self.encoder.span, self.encoder.level = spec.placement, spec.span, spec.level
+        self.digests = {spec.base_version: dict(spec.digests)}  # version -> this rank's slice digests
+        self.status = {spec.base_version: "commit"}  # version -> "commit" | "abort"
+        self.staged: queue.Queue = queue.Queue()  # upload stage -> commit stage
+
+    # ------------------------------------------------------------ upload stage
+    def upload(self, job: Job) -> None:
+        """Encode job's version and stream its parts, then its manifest, to the store."""
+        spec, st = self.spec, job.stats
+        taken = unpack(spec.placement, job.payload)
+        if self.status.get(job.base) != "abort":  # a version on an aborted base is aborted unsent
+            t0 = time.perf_counter()
+            w = commit.RankWriter(self.store, job.version, job.base, spec.rank, spec.world, part_bytes=spec.part_bytes)
+            dig = dict(self.digests[job.base])
+            ss = self.encoder.encode(taken, emit=w.add, digests=dig)[1]
+            faults.point("sender.parts_uploaded", rank=spec.rank, version=job.version)
+            t1 = time.perf_counter()
+            w.finish(ss.params, ss.changed, dig)
+            self.digests[job.version] = dig
+            st.params, st.changed, st.bytes, st.chunks = ss.params, ss.changed, ss.bytes, ss.chunks
+            st.encode_s, st.upload_s = t1 - t0, time.perf_counter() - t1
+        st.base = job.base
+
+    def upload_stage(self, jobs, own_process: bool) -> None:
+        """Take jobs until Stop; then let the commit stage finish."""
+        failed = False
+        parent = os.getppid()
+        while True:
+            try:
+                item = jobs.get(timeout=1.0)
+            except queue.Empty:
+                if own_process and os.getppid() != parent:  # the training process died: do not linger
+                    os._exit(1)
+                continue
+            if isinstance(item, Stop):
+                self.staged.put(item)
+                return
+            if isinstance(item, Reset):
+                failed = False
+                self.staged.put(item)
+                continue
+            if failed:
+                self.results.put(Failed(item.version, "an earlier version failed"))
+                continue
+            try:
+                self.upload(item)
+                self.results.put(Uploaded(item.version, item.stats))
+                self.staged.put(_Staged(item.version, item.base, item.stats))
+            except Exception as exc:  # noqa: BLE001 - reported to the trainer
+                failed = True
+                self.results.put(_error(item.version, exc))
+
+    # ------------------------------------------------------------ commit stage
+    def decide(self, version: int, base: int, st: PublishStats) -> dict:
+        """Rank 0 seals the version and runs the joint commit (or aborts it: its base was
+        aborted); other ranks wait for the decision."""
+        spec = self.spec
+        t0 = time.perf_counter()
+        if spec.rank == 0:
+            if self.status.get(base) == "commit":
+                rec = commit.seal_version(self.store, version, base, spec.world, timeout=spec.seal_timeout)
+                st.seal_s = time.perf_counter() - t0
+                d = commit.run_commit(self.store, rec, spec.policy)
+            else:
+                d = commit.decide(self.store, version, base, "abort", [], [], f"base version {base} was aborted")
+        else:  # off the refit's path (receivers read the decision themselves): poll gently,
+            # each poll is CPU taken from training on a busy host
+            d = commit.await_decision(self.store, version, spec.seal_timeout + spec.policy.timeout + 60,
+                                      poll=DECISION_POLL_S, max_poll=DECISION_MAX_POLL_S)
+        st.commit_s = time.perf_counter() - t0 - st.seal_s
+        st.decision, st.reason = d["decision"], d["reason"]
+        return d
+
+    def settle(self, version: int, decision: str) -> None:
+        self.status[version] = decision
+        if decision == "commit":  # older digests are no longer needed
+            for v in [v for v in self.digests if v < version]:
+                self.digests.pop(v, None)
+        else:
+            self.digests.pop(version, None)
+
+    def commit_stage(self) -> None:
+        """Decide each uploaded version, in order, until Stop."""
+        failed = False
+        while True:
+            item = self.staged.get()
+            if isinstance(item, Stop):
+                return
+            if isinstance(item, Reset):
+                failed = False
+                continue
+            if failed:
+                self.results.put(Failed(item.version, "an earlier version failed"))
+                continue
+            try:
+                d = self.decide(item.version, item.base, item.stats)
+                self.settle(item.version, d["decision"])
+                self.results.put(Decided(item.version, item.stats))
+            except Exception as exc:  # noqa: BLE001 - reported to the trainer
+                failed = True
+                self.results.put(_error(item.version, exc))
+
+
+def run_worker(spec: WorkerSpec, jobs, results) -> None:
+    """The worker's entry point (a spawned process's target, or a thread's)."""
+    lower_priority(spec.nice)
+    own_process = threading.current_thread() is threading.main_thread()  # else a thread of the trainer's
+    if own_process:  # (in a thread these would set the trainer's intra-op threads and freeze its objects)
+        torch.set_num_threads(1)
+    store = open_store(spec.store_url)
+    if own_process:
+        freeze_long_lived()
+    results.put(Ready())
+    w = _Worker(spec, store, results)
+    committer = threading.Thread(target=w.commit_stage, name="nemo-dcr-commit", daemon=True)
+    committer.start()
+    w.upload_stage(jobs, own_process)
+    committer.join()

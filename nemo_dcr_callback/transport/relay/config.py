@@ -1,0 +1,56 @@
+"""How one relay node runs: RelayConfig (most fields are `nemo-dcr relay` flags)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+# A relay that held a sender's write within this long counts as written through (its watcher
+# then lists the parent only every write_through_poll_s): a trainer's steps, and so its
+# versions, come seconds apart, and between them the relay polled the origin 25 times a second.
+WRITE_THROUGH_S = 30.0
+
+
+@dataclass
+class RelayConfig:
+    """How one relay node runs (docs/RELAY.md)."""
+
+    host: str = "127.0.0.1"  # the address to listen on
+    port: int = 0  # 0: a free port (printed on start)
+    token: str | None = None  # shared token peers must present; None: no authentication (loopback trials)
+    name: str = "relay"  # this node's name: in its stats, access log and start line
+    cache_mb: int = 1024  # memory for cached objects; beyond it, LRU objects spill to disk
+    spill_dir: str | None = None  # None: evicted objects are dropped (and refetched if asked again)
+    spill_mb: int = 8192  # the spill directory's budget; beyond it, the oldest spilled objects go
+    poll_s: float = 0.005  # how often the watcher lists the parent; also the TTL of cached listings
+    idle_poll_s: float = 0.04  # the watcher's longest pause after rounds that found nothing new
+    # ... while senders write through this relay (an immutable object within the last
+    # WRITE_THROUGH_S): their objects arrive here directly, and listing the parent only catches
+    # writes that went around the relay (a sender's failover), so it is listed this rarely. On
+    # S3 a listing costs the relay 1.5-5 ms of CPU (boto3 parses XML); at 0.25 s the bench's
+    # root relay listed S3 5-6 times per version.
+    write_through_poll_s: float = 1.0
+    # ... and once nothing new has turned up in the parent or been written through this relay
+    # for dormant_after_s (no training running, or steps minutes apart): an idle root relay
+    # listed S3 25 times a second (3.5% of a core here, 6% in SeaweedFS; on AWS, LIST requests
+    # are billed). A version that then starts around the relay is seen up to this much later.
+    dormant_after_s: float = 60.0
+    dormant_poll_s: float = 1.0
+    # a mutable object (an ack, a registration) written through this relay is served from here
+    # for this long: the committer reads each ack right after it is written and every
+    # registration at each version, and those reads then need no round trip to the origin (on
+    # S3: 24 GETs per version at the root relay of the relay bench). What the relay passed up is
+    # what the origin holds unless the same key was written around the relay since (a
+    # failover), which shows after at most this: acks are written once per receiver and
+    # version, and registrations, rewritten by their receiver every 30 s, are read for
+    # membership and liveness (600 s), which a copy this old does not change.
+    passed_ttl_s: float = 60.0
+    prefetch: bool = True  # pull new versions ahead of requests
+    threads: int = 16  # concurrent upstream requests
+    lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
+    tls_cert: str | None = None  # serve HTTPS (relays://) with this certificate chain ...
+    tls_key: str | None = None  # ... and this key; None: plain HTTP
+    fault: str | None = field(default_factory=lambda: os.environ.get("NEMO_DCR_RELAY_FAULT"))  # tests only
+    # a file getting one JSON line per request served and per call to the parent (None: off):
+    # what was asked, answered and fetched, and when, to trace a refusal back to its cause
+    access_log: str | None = None

@@ -1,0 +1,192 @@
+"""A relay's HTTP side: the aiohttp request handlers and the app that routes to them."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+import xxhash
+from aiohttp import web
+
+from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.transport.relay.cache import VerifyError, verify_object
+from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, LENGTH_HEADER, OBJECT_ROUTE
+
+OBJECT_PATH = OBJECT_ROUTE + "{key:.+}"
+
+
+def _peer(request) -> str | None:
+    """host:port of the client (the port tells apart receivers that share a host)."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
+    return request.remote
+
+
+class HttpSide:
+    """The Relay's request handlers (a mixin of Relay: the state they use is set up in
+    Relay.__init__, node.py; what they hold and fetch is StoreSide's, cache.py)."""
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        app.router.add_get("/health", self.h_health)
+        app.router.add_get("/stats", self.h_stats)
+        app.router.add_get("/wait", self.h_wait)
+        app.router.add_get("/list", self.h_list)
+        app.router.add_get("/children", self.h_list)
+        app.router.add_route("GET", OBJECT_PATH, self.h_get)
+        app.router.add_route("HEAD", OBJECT_PATH, self.h_get)
+        app.router.add_put(OBJECT_PATH, self.h_put)
+        return app
+
+    # ------------------------------------------------------------ every request
+    def _authorized(self, request: web.Request) -> bool:
+        if self.cfg.token is None:
+            return True
+        got = request.headers.get("Authorization", "")
+        ok = hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
+        if not ok:
+            self.stats["unauthorized"] += 1
+        return ok
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self._log is None:
+            return await self._serve(request, handler)
+        t0, status, size = time.perf_counter(), None, None
+        try:
+            resp = await self._serve(request, handler)
+            status, size = resp.status, getattr(resp, "content_length", None)
+            return resp
+        except web.HTTPException as exc:  # (aiohttp's own answers: no such route, bad method)
+            status = exc.status
+            raise
+        except BaseException:  # aiohttp answers 500
+            status = 500
+            raise
+        finally:
+            self._trace({"peer": _peer(request), "method": request.method, "path": request.path_qs,
+                         "status": status, "bytes": size, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
+
+    async def _serve(self, request: web.Request, handler):
+        if request.path != "/health" and not self._authorized(request):
+            return web.json_response({"error": "missing or wrong relay token"}, status=401)
+        kind = request.method if request.path.startswith(OBJECT_ROUTE) else request.path.lstrip("/")
+        self.stats["requests"][kind] = self.stats["requests"].get(kind, 0) + 1
+        try:
+            return await handler(request)
+        except VerifyError as exc:
+            return web.json_response({"error": f"corrupt object from upstream, not forwarded: {exc}"}, status=502)
+        except OSError as exc:
+            return web.json_response({"error": f"upstream unavailable: {exc}"}, status=503)
+
+    # ------------------------------------------------------------ objects
+    async def h_get(self, request: web.Request) -> web.StreamResponse:
+        key = request.match_info["key"]
+        got = await self.fetch(key)
+        if got is None:
+            return web.json_response({"error": f"no such key {key}"}, status=404)
+        data, h = got
+        if request.method == "HEAD":
+            return web.Response(status=200, headers={CHECKSUM_HEADER: h, LENGTH_HEADER: str(len(data))})
+        if xxhash.xxh3_64_hexdigest(data) != h:  # corrupted at rest here (memory, spill file): never forwarded
+            self.stats["rejected"] += 1
+            self.cache.drop(key)
+            got = await self.fetch(key)
+            if got is None:
+                return web.json_response({"error": f"no such key {key}"}, status=404)
+            data, h = got
+        self._fault.served(key)
+        self.stats["bytes_out"] += len(data)
+        self.stats["objects_out"] += 1
+        if keys.is_part(key):
+            self.stats["part_bytes_out"] += len(data)
+        return web.Response(body=data, content_type="application/octet-stream", headers={CHECKSUM_HEADER: h})
+
+    async def h_put(self, request: web.Request) -> web.Response:
+        """A write from below, passed up. Immutable objects (a sender writing through this relay)
+        are verified first, then held here and announced, as if fetched from the parent.
+
+        An ack is announced (and served from here) while it is passed up, not after: the
+        committer reading acks through this relay then decides without waiting for the
+        origin's write (10-35 ms per ack on the relay bench's SeaweedFS). The writer's request
+        still returns only once the origin holds it; if that fails, the ack is taken back here
+        and the writer, told so, writes it again (on another store of its chain). An ack only
+        reports what its receiver did: the decision, written through here only once the origin
+        took it, is what stands."""
+        key = request.match_info["key"]
+        data = await request.read()
+        self.stats["puts"] += 1
+        keep = not keys.is_mutable(key)
+        early = keys.is_ack(key) and request.query.get("if_absent") != "1"
+        if early:
+            self._listed(key)
+            self._passed(key, data)
+            self._bump(key)
+        if keep:
+            try:
+                await self._up(verify_object, key, data, self.manifest_parts)
+            except VerifyError as exc:
+                self.stats["rejected"] += 1
+                return web.json_response({"error": f"refused: {exc}"}, status=400)
+        w = self.writing.setdefault(key, asyncio.Event()) if keep else None
+        try:
+            if request.query.get("if_absent") == "1":
+                created = await self._up(self.parent.put_if_absent, key, data)
+                if not created:  # another writer's object stands: fetched from the parent when asked
+                    return web.json_response({"created": False}, status=412)
+            else:
+                try:
+                    await self._up(self.parent.put, key, data)
+                except BaseException:
+                    if early:
+                        self._unlisted(key)
+                    raise
+            if early:
+                return web.json_response({"created": True, "ok": True})
+            self._listed(key)
+            if keep:
+                self._hold(key, data, xxhash.xxh3_64_hexdigest(data))
+                self.immutable_put_at = time.monotonic()
+            else:
+                self._passed(key, data)
+        finally:
+            if w is not None and self.writing.get(key) is w:
+                del self.writing[key]
+                w.set()
+        self._bump(key)
+        return web.json_response({"created": True, "ok": True})
+
+    # ------------------------------------------------------------ listings, news, state
+    async def h_list(self, request: web.Request) -> web.Response:
+        op = "children" if request.path == "/children" else "list"
+        return web.json_response(await self.listing(op, request.query.get("prefix", "")))
+
+    async def h_wait(self, request: web.Request) -> web.Response:
+        """Long-poll: answer once gen > the caller's (something new is here) or at the timeout.
+        With data=1 only new immutable objects count: receivers and relays below wait for parts,
+        manifests, records and decisions, and a fleet's acks and registrations (each one a
+        change) would otherwise wake every receiver once per receiver per version."""
+        known = int(request.query.get("gen", "0"))
+        limit = min(float(request.query.get("timeout", "1")), 30.0)
+        data_only = request.query.get("data") == "1"
+        deadline = time.monotonic() + limit
+        while not self._news(known, data_only):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                break
+        if request.query.get("keys") == "1":
+            return web.json_response({"gen": self.gen, "keys": self.changed_since(known, data_only)})
+        return web.json_response({"gen": self.gen})
+
+    async def h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "cached_objects": len(self.cache.mem) + len(self.cache.spilled),
+                                  "cached_bytes": self.cache.used, "spilled_bytes": self.cache.spill_used})
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": self.cfg.name, "ok": True})

@@ -1,0 +1,177 @@
+"""One relay node: its state, its lifecycle, and `serve` (the `nemo-dcr relay` process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.transport.relay.cache import Cache, StoreSide
+from nemo_dcr_callback.transport.relay.config import RelayConfig
+from nemo_dcr_callback.transport.relay.handlers import HttpSide
+from nemo_dcr_callback.transport.relay.watcher import Watcher
+from nemo_dcr_callback.transport.relay.wire import TOKEN_ENV
+
+
+class Relay(HttpSide, StoreSide):
+    """A relay node over a parent store (docs/RELAY.md, and the package's docstring)."""
+
+    def __init__(self, parent, cfg: RelayConfig):
+        self.parent, self.cfg = parent, cfg
+        self.cache = Cache(cfg.cache_mb << 20, cfg.spill_dir, cfg.spill_mb << 20)
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="relay-up")
+        self.inflight: dict[str, asyncio.Future] = {}
+        # immutable objects being written through this relay (passed up, not yet held): the
+        # watcher must not pull them from the parent in between, nor a GET fetch them there
+        self.writing: dict[str, asyncio.Event] = {}
+        self.missing: dict[str, float] = {}  # key -> time it was last seen absent upstream
+        self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
+        self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self.put_at: dict[str, float] = {}  # keys written through this relay -> when
+        # mutable objects (acks, registrations) written through this relay: (when, bytes, xxh3)
+        self.passed: dict[str, tuple[float, bytes, str]] = {}
+        self.immutable_put_at = -1e9  # when a sender last wrote through this relay
+        self.new_at = time.monotonic()  # when a listing of the parent last showed something new
+        self.manifest_parts: dict[str, dict] = {}
+        self.done_versions: set[str] = set()
+        self.watched_dirs: set[str] = set()
+        self.watch_alive = 0.0
+        self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
+                      "part_bytes_in": 0, "part_bytes_out": 0,
+                      "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
+                      "requests": {},  # served, by kind: GET, HEAD, PUT (objects), wait, list, children, stats
+                      "upstream": {},  # asked of the parent, by call: get, list, children, put, wait, ...
+                      "started": time.time()}
+        self._fault = _Fault(cfg.fault)
+        self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
+        self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
+        self._log_floor = self.gen  # the log holds every change after this generation
+        self._changed = asyncio.Event()
+        self._upstream_news = False  # a parent listing showed keys not written through this relay
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self._watcher: asyncio.Task | None = None
+        self._pulls: set[asyncio.Task] = set()  # the watcher's pulls under way
+        try:
+            self._log = open(cfg.access_log, "a", buffering=1) if cfg.access_log else None  # line-buffered
+        except OSError as exc:
+            raise ValueError(f"relay access log {cfg.access_log}: {exc.strerror}") from None
+
+    def _trace(self, rec: dict) -> None:
+        """One access-log line (the token is never in it: headers are not logged)."""
+        if self._log is not None:  # (closed by stop() while a request was still under way)
+            self._log.write(json.dumps({"t": round(time.time(), 6), "relay": self.cfg.name, **rec},
+                                       separators=(",", ":")) + "\n")
+
+    async def watch(self) -> None:
+        """Pull every new object of the newest versions as soon as the parent has it (watcher.py)."""
+        await Watcher(self).run()
+
+    async def start(self) -> None:
+        ssl_ctx = None
+        if self.cfg.tls_cert:
+            import ssl
+
+            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=ssl_ctx, backlog=1024)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        if self.cfg.prefetch:
+            self._watcher = asyncio.create_task(self.watch())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._watcher, *self._pulls) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.runner:
+            await self.runner.cleanup()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class _Fault:
+    """Fault injection for tests (NEMO_DCR_RELAY_FAULT): 'corrupt:N' flips a byte in the cached
+    copy of the first N parts, after they were verified (corruption at rest in this relay);
+    'die:N' kills the relay (SIGKILL) when it is asked for a part after serving N."""
+
+    def __init__(self, spec: str | None):
+        self.kind, self.n = None, 0
+        if spec:
+            kind, _, n = spec.partition(":")
+            if kind not in ("corrupt", "die"):
+                raise ValueError(f"unknown relay fault {spec!r} (corrupt:N or die:N)")
+            self.kind, self.n = kind, int(n or 1)
+        self.count = 0
+
+    def at_rest(self, key: str, data: bytes) -> bytes:
+        if self.kind != "corrupt" or not keys.is_part(key) or self.count >= self.n or not data:
+            return data
+        self.count += 1
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x40
+        return bytes(b)
+
+    def served(self, key: str) -> None:
+        if self.kind == "die" and keys.is_part(key):
+            if self.count >= self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.count += 1
+
+
+def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
+    """Run a relay until SIGINT/SIGTERM; prints one line with its address when it listens."""
+    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
+
+    parent = open_store(parent_url)
+    relay = Relay(parent, cfg)
+    freeze_long_lived()
+
+    async def main() -> None:
+        await relay.start()
+        scheme = "relays" if cfg.tls_cert else "relay"
+        print(f"nemo-dcr relay {cfg.name}: listening on {scheme}://{cfg.host}:{relay.port} "
+              f"(parent {_redact(parent_url)}, cache {cfg.cache_mb} MB"
+              f"{', spill ' + cfg.spill_dir if cfg.spill_dir else ''}"
+              f"{', token required' if cfg.token else ', NO token: anyone can connect'})", flush=True)
+        if ready is not None:
+            ready(relay)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        relay._stop = stop
+        await stop.wait()
+        await relay.stop()
+
+    asyncio.run(main())
+
+
+def _redact(url: str) -> str:
+    return url.split("?")[0] + ("?..." if "?" in url else "")
+
+
+def main(argv: list[str] | None = None) -> int:  # python -m nemo_dcr_callback.transport.relay PARENT
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("parent")
+    ap.add_argument("--port", type=int, default=0)
+    a = ap.parse_args(argv)
+    serve(a.parent, RelayConfig(port=a.port, token=os.environ.get(TOKEN_ENV)))
+    return 0
+
