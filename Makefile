@@ -73,6 +73,7 @@ bench-relay: setup
 
 # The planner against the committed results; bench-plan re-measures first (root, ~8 minutes).
 plan-validate: setup
+	$(BIN)/nemo-dcr plan --calibrate --results benchmarks/results
 	$(BIN)/nemo-dcr plan --validate --json benchmarks/results/plan_validation.json || true
 	$(BIN)/nemo-dcr plan --scenarios --json benchmarks/results/plan_scenarios.json
 

@@ -24,6 +24,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+from nemo_dcr_callback.protocol import keys
+
 SENDER_ENV = "NEMO_DCR_SENDER_FAULT"
 RECEIVER_ENV = "NEMO_DCR_RECEIVER_FAULT"
 RELAY_ENV = "NEMO_DCR_RELAY_FAULT"
@@ -89,7 +91,7 @@ class RelayFault:
 
     def at_rest(self, key: str, data: bytes) -> bytes:
         """The bytes a relay caches for key (corrupted, for the first N parts)."""
-        if self.kind != "corrupt" or not key.endswith(".dcr") or self.count >= self.n or not data:
+        if self.kind != "corrupt" or not keys.is_part(key) or self.count >= self.n or not data:
             return data
         self.count += 1
         b = bytearray(data)
@@ -98,7 +100,7 @@ class RelayFault:
 
     def served(self, key: str) -> None:
         """A relay is asked for key (it dies here after serving N parts)."""
-        if self.kind == "die" and key.endswith(".dcr"):
+        if self.kind == "die" and keys.is_part(key):
             if self.count >= self.n:
                 _kill_self()
             self.count += 1

@@ -94,12 +94,23 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true", help="predict every benchmarked configuration vs measured")
     p.add_argument("--scenarios", action="store_true", help="the paper's scenarios (30B/235B/1T)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--results", default=None,
+                   help="a folder of benchmark results to calibrate from (default: the packaged calibration; "
+                        "--validate reads benchmarks/results)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="rewrite the packaged calibration from --results (default benchmarks/results)")
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from nemo_dcr_callback.tools import planner
+    results = Path(args.results) if args.results else None
+    if args.calibrate:
+        planner.run_calibrate(results or planner.RESULTS)
+        return 0
     if args.validate:
-        rows = planner.run_validate(args.json)
+        rows = planner.run_validate(args.json, results or planner.RESULTS)
         return 0 if all(abs(r["error"]) <= 0.2 for r in rows) else 1
     if args.scenarios:
         planner.run_scenarios(args.json)
@@ -113,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
                             fanout=args.fanout, relay_cores=args.relay_cores, intra_MBps=args.intra_mbps,
                             receiver_device=args.receiver_device, receiver_cores=args.receiver_cores,
                             part_MB=args.part_mb)
-    p = planner.plan(inp, planner.Coefficients.load())
+    p = planner.plan(inp, planner.Coefficients.load(results))
     if args.json:
         planner.write_json(args.json, p)
     planner.print_plan(p)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from nemo_dcr_callback import faults
 
 # A relay that held a sender's write within this long counts as written through (its watcher
 # then lists the parent only every write_through_poll_s): a trainer's steps, and so its
@@ -50,7 +51,7 @@ class RelayConfig:
     lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
     tls_cert: str | None = None  # serve HTTPS (relays://) with this certificate chain ...
     tls_key: str | None = None  # ... and this key; None: plain HTTP
-    fault: str | None = field(default_factory=lambda: os.environ.get("NEMO_DCR_RELAY_FAULT"))  # tests only
+    fault: str | None = field(default_factory=faults.relay_fault)  # tests only (faults.py)
     # a file getting one JSON line per request served and per call to the parent (None: off):
     # what was asked, answered and fetched, and when, to trace a refusal back to its cause
     access_log: str | None = None

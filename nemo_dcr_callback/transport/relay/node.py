@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback import faults
 from nemo_dcr_callback.transport.relay.cache import Cache, StoreSide
 from nemo_dcr_callback.transport.relay.config import RelayConfig
 from nemo_dcr_callback.transport.relay.handlers import HttpSide
@@ -50,7 +50,7 @@ class Relay(HttpSide, StoreSide):
                       "requests": {},  # served, by kind: GET, HEAD, PUT (objects), wait, list, children, stats
                       "upstream": {},  # asked of the parent, by call: get, list, children, put, wait, ...
                       "started": time.time()}
-        self._fault = _Fault(cfg.fault)
+        self._fault = faults.RelayFault(cfg.fault)
         self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
         self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
         self._log_floor = self.gen  # the log holds every change after this generation
@@ -101,35 +101,6 @@ class Relay(HttpSide, StoreSide):
         if self._log is not None:
             self._log.close()
             self._log = None
-
-
-class _Fault:
-    """Fault injection for tests (NEMO_DCR_RELAY_FAULT): 'corrupt:N' flips a byte in the cached
-    copy of the first N parts, after they were verified (corruption at rest in this relay);
-    'die:N' kills the relay (SIGKILL) when it is asked for a part after serving N."""
-
-    def __init__(self, spec: str | None):
-        self.kind, self.n = None, 0
-        if spec:
-            kind, _, n = spec.partition(":")
-            if kind not in ("corrupt", "die"):
-                raise ValueError(f"unknown relay fault {spec!r} (corrupt:N or die:N)")
-            self.kind, self.n = kind, int(n or 1)
-        self.count = 0
-
-    def at_rest(self, key: str, data: bytes) -> bytes:
-        if self.kind != "corrupt" or not keys.is_part(key) or self.count >= self.n or not data:
-            return data
-        self.count += 1
-        b = bytearray(data)
-        b[len(b) // 2] ^= 0x40
-        return bytes(b)
-
-    def served(self, key: str) -> None:
-        if self.kind == "die" and keys.is_part(key):
-            if self.count >= self.n:
-                os.kill(os.getpid(), signal.SIGKILL)
-            self.count += 1
 
 
 def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
