@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.keys import VERSIONS, is_part
 from nemo_dcr_callback.receiver.fetch import FETCH_LANES, Parts, _PartDecoder, fetch_part, fetch_version
 from nemo_dcr_callback.receiver.rebuild import latest_keyframe, reconstruct
 from nemo_dcr_callback.transport.store import StoreError, backoff, wait_news
@@ -201,7 +202,7 @@ class Follower:
         st = self._parts.setdefault(v, Parts(self.fetch_lanes))
         st.harvest()
         listing = self.store.list(commit.vdir(v)) if listing is None else listing
-        keys = [k for k in listing if k.endswith(".dcr") and k not in st.parts and k not in st.pending]
+        keys = [k for k in listing if is_part(k) and k not in st.parts and k not in st.pending]
         if not keys:
             return
         if getattr(self.store, "executor", None) is None:  # a local store: fetch here
@@ -364,7 +365,7 @@ class Follower:
         """Does the news name anything of a version after the one held (or outside them)?"""
         for k in news:
             path = k.split("/")
-            if len(path) < 2 or path[0] != "versions" or not path[1].isdigit() or int(path[1]) > self.version:
+            if len(path) < 2 or path[0] != VERSIONS or not path[1].isdigit() or int(path[1]) > self.version:
                 return True
         return False
 

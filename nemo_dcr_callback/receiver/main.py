@@ -12,7 +12,7 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
@@ -23,15 +23,14 @@ def load_model(store, hf_model: str | None, timeout: float):
     from transformers import AutoModelForCausalLM
 
     if hf_model is None:
-        key = commit.keyframe_dir(0)
         deadline = time.monotonic() + timeout
-        while not (store.exists(f"{key}/config.json") and store.exists(f"{key}/model.safetensors")):
+        while not (store.exists(keys.keyframe_config(0)) and store.exists(keys.keyframe_model(0))):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
             time.sleep(0.1)
         tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
-        for name in ("config.json", "model.safetensors"):
-            (tmp / name).write_bytes(store.get(f"{key}/{name}"))
+        (tmp / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(0)))
+        (tmp / keys.MODEL_FILE).write_bytes(store.get(keys.keyframe_model(0)))
         hf_model = str(tmp)
     return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, keys
 
 
 def latest_keyframe(store) -> int | None:
@@ -27,7 +27,7 @@ def reconstruct(store, v: int) -> dict:
     if not kfs:
         raise KeyError(f"no keyframe at or before version {v} to rebuild it from")
     k = kfs[-1]
-    tensors = load(store.get(f"{commit.keyframe_dir(k)}/model.safetensors"))
+    tensors = load(store.get(keys.keyframe_model(k)))
     f = Follower(store, tensors, version=k)
     for u in [u for u in commit.list_versions(store) if k < u <= v]:
         d = commit.read_decision(store, u)

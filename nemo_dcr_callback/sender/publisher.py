@@ -29,7 +29,7 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.placement import Family, Placement, build_placement
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.sender.delta import undo
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Report, Reset, Stop
 from nemo_dcr_callback.sender.shard import ShardSender
@@ -203,7 +203,7 @@ class Publisher:
                 if self._arena is not None:
                     self._arena.close()
                 self._shm.close()
-        self.store.put(f"stats/rank-{self.rank:05d}.json", json.dumps([asdict(h) for h in self.history]).encode())
+        self.store.put(keys.stats_key(self.rank), json.dumps([asdict(h) for h in self.history]).encode())
 
     def _undo_from(self, version: int) -> None:
         """Restore the baselines to before `version`: undo it and every later in-flight one."""
