@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ kernels: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Issue 38's hostile-input tests (make test runs the fast ones too).
+security: setup
+	$(BIN)/python -m pytest -q tests/security
 
 test-all: setup
 	$(BIN)/python -m pytest -q tests

@@ -34,6 +34,7 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("old", help="a .safetensors file or a Hugging Face checkpoint directory")
     p.add_argument("new", help="the same kind of checkpoint, after training")
     p.add_argument("-o", "--output", required=True, help="delta file to write")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never one of the inputs)")
     p.add_argument("--chunk-span", type=positive, default=None, help="positions per chunk (default 2^24)")
     p.add_argument("--level", type=int, default=1, help="zstd level for zstd-coded streams (default 1)")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -44,6 +45,7 @@ def _diff(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.tools.deltafile import diff, stats
 
     diff(args.old, args.new, args.output, span=args.chunk_span or DEFAULT_CHUNK_SPAN, level=args.level,
+         force=args.force,
          quiet=args.quiet)
     if not args.quiet:
         print_stats(stats(args.output))

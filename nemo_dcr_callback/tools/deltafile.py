@@ -12,6 +12,7 @@ every tensor's new digest matched: a bad delta or a wrong base leaves nothing be
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -70,11 +71,25 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _check_output(out_path: Path, inputs: list[Path], force: bool) -> None:
+    """diff never replaces one of its inputs, nor writes into a checkpoint directory it reads
+    (the delta would become one of that checkpoint's files); another existing file only with
+    force."""
+    out = out_path.resolve()
+    for p in inputs:
+        p = p.resolve()
+        if out == p or (p.is_dir() and p in out.parents):
+            raise ValueError(f"{out_path} is (inside) the input {p}: diff never writes over its inputs")
+    if out_path.exists() and not force:
+        raise FileExistsError(f"{out_path} exists (use --force to replace it)")
+
+
 def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
-         span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False) -> dict:
+         span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False, force: bool = False) -> dict:
     """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest."""
-    old, new = Checkpoint(old_path), Checkpoint(new_path)
     out_path = Path(out_path)
+    _check_output(out_path, [Path(old_path), Path(new_path)], force)
+    old, new = Checkpoint(old_path), Checkpoint(new_path)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent or ".")
     tensors, files = [], []
     prog = _Progress("diff", len(new.where), quiet=quiet)
@@ -169,6 +184,10 @@ class DeltaFile:
             raise DeltaError(f"{self.path}: manifest is not JSON") from None
         if self.manifest.get("format") != "nemo-dcr-delta" or self.manifest.get("version") != VERSION:
             raise DeltaError(f"{self.path}: unsupported manifest")
+        try:
+            _check_manifest(self.manifest)
+        except DeltaError as exc:
+            raise DeltaError(f"{self.path}: {exc}") from None
         self.data_end = moff
 
     def read(self, span: list[int]) -> bytes:
@@ -183,6 +202,40 @@ class DeltaFile:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _safe_name(p) -> str:
+    """A manifest's file path must be a plain file name: the checksum is unkeyed, so an edited
+    manifest is re-signed at will, and only this check keeps patch inside OUT."""
+    if (not isinstance(p, str) or not p or p in (".", "..") or "/" in p or "\\" in p or "\0" in p
+            or Path(p).is_absolute()):
+        raise DeltaError(f"manifest names the file {p!r}: only plain file names inside OUT are allowed")
+    return p
+
+
+def _check_manifest(m: dict) -> None:
+    """Refuse a manifest whose paths leave OUT or whose records disagree, before any write."""
+    if m.get("layout") not in ("dir", "file"):
+        raise DeltaError(f"unknown layout {m.get('layout')!r}")
+    files = [_safe_name(f.get("path") if isinstance(f, dict) else None) for f in m.get("files", [])]
+    others = [_safe_name(o.get("path") if isinstance(o, dict) else None) for o in m.get("other_files", [])]
+    for p in files:
+        if not p.endswith(".safetensors"):
+            raise DeltaError(f"manifest file {p!r} is not a .safetensors file")
+    names = files + others
+    if len(set(names)) != len(names):
+        raise DeltaError("manifest names a file twice")
+    if m["layout"] == "file" and (len(files) != 1 or others):
+        raise DeltaError("single-file delta with several files")
+    for rec in m.get("tensors", []):
+        if rec.get("file") not in files:
+            raise DeltaError(f"tensor {rec.get('name')!r} is in {rec.get('file')!r}, which the manifest does not write")
+        if rec.get("mode") not in ("xor", "full"):
+            raise DeltaError(f"tensor {rec.get('name')!r}: unknown mode {rec.get('mode')!r}")
+        shape = rec.get("shape")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or rec.get("numel") != math.prod(shape)):
+            raise DeltaError(f"tensor {rec.get('name')!r}: numel {rec.get('numel')!r} does not match shape {shape!r}")
 
 
 def _entries_from_header(header: str) -> dict[str, TensorEntry]:
@@ -253,6 +306,10 @@ def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path:
             entries = _entries_from_header(fentry["header"])
             if set(entries) != set(recs):
                 raise DeltaError(f"manifest for {fentry['path']} does not match its header")
+            for name, e in entries.items():
+                r = recs[name]
+                if e.dtype != r["dtype"] or list(e.shape) != r["shape"]:
+                    raise DeltaError(f"manifest for {fentry['path']}: tensor {name!r} differs from its header")
 
             def build(name: str, recs: dict = recs) -> torch.Tensor:
                 t = _rebuild_tensor(base, dfile, recs[name])

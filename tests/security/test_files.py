@@ -1,0 +1,133 @@
+"""Issue 38, findings 1 and 6: crafted delta manifests and `diff -o` over its own inputs.
+
+The manifest's checksum is unkeyed, so an attacker edits the manifest and re-signs the footer;
+these tests do exactly that and require a clear refusal with every file left as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+CLI = str(Path(sys.executable).parent / "nemo-dcr")
+_FOOT = struct.Struct("<QQQ8s")
+
+
+def run(*args):
+    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True)
+
+
+def resign(src: Path, dst: Path, edit) -> None:
+    """dst = src with its manifest passed through edit(manifest) and the footer re-signed."""
+    data = src.read_bytes()
+    moff, mlen, _, end = _FOOT.unpack(data[-_FOOT.size:])
+    m = json.loads(data[moff:moff + mlen])
+    edit(m)
+    mb = json.dumps(m, separators=(",", ":")).encode()
+    dst.write_bytes(data[:moff] + mb + _FOOT.pack(moff, len(mb), xxhash.xxh3_64_intdigest(mb), end))
+
+
+def digest_tree(p: Path) -> dict[str, str]:
+    return {str(f.relative_to(p)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(p.rglob("*"))
+            if f.is_file()}
+
+
+@pytest.fixture()
+def work(tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(GOLDEN / "old", base)
+    victim = tmp_path / "victim.safetensors"
+    shutil.copy(GOLDEN / "new" / "model-00002-of-00002.safetensors", victim)
+    return tmp_path, base, victim
+
+
+def point_file_at(target: str):
+    def edit(m):
+        old = m["files"][0]["path"]
+        m["files"][0]["path"] = target
+        for t in m["tensors"]:
+            if t["file"] == old:
+                t["file"] = target
+    return edit
+
+
+def point_other_at(target: str):
+    def edit(m):
+        m["other_files"][0]["path"] = target
+    return edit
+
+
+@pytest.mark.parametrize("edit,what", [
+    (lambda victim: point_file_at(str(victim)), "absolute file path"),
+    (lambda victim: point_file_at("../victim.safetensors"), "file path with .."),
+    (lambda victim: point_other_at(str(victim.with_name("planted.json"))), "absolute other_files path"),
+    (lambda victim: point_other_at("../planted.json"), "other_files path with .."),
+    (lambda victim: point_other_at("model-00001-of-00002.safetensors"), "a name written twice"),
+])
+def test_crafted_manifest_is_refused_before_any_write(work, edit, what):
+    tmp, base, victim = work
+    evil = tmp / "evil.dcr"
+    resign(GOLDEN / "delta.dcr", evil, edit(victim))
+    before = digest_tree(tmp)
+    p = run("patch", base, evil, "-o", tmp / "out")
+    assert p.returncode == 2, (what, p.stdout, p.stderr)
+    assert "manifest" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp / "out").exists()
+    assert not (tmp / "planted.json").exists()
+    assert digest_tree(tmp) == before  # the victim still in place, nothing left behind
+
+
+def test_manifest_numel_must_match_shape(work):
+    tmp, base, _ = work
+    evil = tmp / "evil.dcr"
+
+    def edit(m):
+        full = next(t for t in m["tensors"] if t["mode"] == "full")
+        full["numel"] = 10**12
+    resign(GOLDEN / "delta.dcr", evil, edit)
+    p = run("patch", base, evil, "-o", tmp / "out")
+    assert p.returncode == 2 and "does not match shape" in p.stderr
+    assert not (tmp / "out").exists()
+
+
+def test_resigned_but_honest_manifest_still_patches(work):
+    """The re-signing helper itself keeps a valid delta valid (so the refusals above are the checks')."""
+    tmp, base, _ = work
+    same = tmp / "same.dcr"
+    resign(GOLDEN / "delta.dcr", same, lambda m: None)
+    p = run("patch", base, same, "-o", tmp / "out")
+    assert p.returncode == 0, p.stderr
+    assert digest_tree(tmp / "out") == digest_tree(GOLDEN / "new")
+
+
+def test_diff_refuses_its_own_inputs_and_existing_outputs(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(GOLDEN / "old", old)
+    shutil.copytree(GOLDEN / "new", new)
+    single = tmp_path / "new.safetensors"
+    shutil.copy(GOLDEN / "new" / "model-00001-of-00002.safetensors", single)
+    before = digest_tree(tmp_path)
+    for out in (new, old, new / "d.dcr"):
+        p = run("diff", old, new, "-o", out, "--force")
+        assert p.returncode == 2 and "never writes over its inputs" in p.stderr, (out, p.stderr)
+    p = run("diff", single, single, "-o", single, "--force")
+    assert p.returncode == 2 and "never writes over its inputs" in p.stderr
+    assert digest_tree(tmp_path) == before
+
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"keep me")
+    p = run("diff", old, new, "-o", other, "-q")
+    assert p.returncode == 2 and "--force" in p.stderr
+    assert other.read_bytes() == b"keep me"
+    p = run("diff", old, new, "-o", other, "-q", "--force")
+    assert p.returncode == 0, p.stderr
+    assert other.read_bytes() == (GOLDEN / "delta.dcr").read_bytes()
