@@ -21,6 +21,7 @@ import sys
 
 from nemo_dcr_callback.commands import COMMANDS, add_commands
 from nemo_dcr_callback.commands.dev import VersionAction
+from nemo_dcr_callback.transport.urls import redact
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args._run(args)
     except (DeltaError, ChunkError, CheckpointError, FileExistsError, ValueError) as exc:
-        print(f"nemo-dcr {args.cmd}: error: {exc}", file=sys.stderr)
+        print(f"nemo-dcr {args.cmd}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"nemo-dcr {args.cmd}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"nemo-dcr {args.cmd}: error: {redact(str(exc.strerror or exc))}{where}", file=sys.stderr)
         return 2
 
 

@@ -23,6 +23,7 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 from nemo_dcr_callback.transport.store import StoreError
+from nemo_dcr_callback.transport.urls import redact
 
 # After a plain signed request got no answer or a server error (and boto3 then succeeded),
 # boto3 alone for this long: a TLS setup or proxy the plain client cannot use must not cost
@@ -51,7 +52,10 @@ class S3Store:
         boto3, botocore, Config = _botocore()
         u = urlparse(url)
         if u.scheme != "s3" or not u.netloc:
-            raise StoreError(f"not an s3://bucket/prefix URL: {url!r}")
+            raise StoreError(f"not an s3://bucket/prefix URL: {redact(url)!r}")
+        if "@" in u.netloc:
+            raise StoreError(f"credentials inside the store URL are not accepted ({redact(url)!r}): use "
+                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role")
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
         self.bucket = u.netloc
         self.prefix = u.path.strip("/")
@@ -59,7 +63,10 @@ class S3Store:
             or os.environ.get("AWS_ENDPOINT_URL")
         region = region or q.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
             or "us-east-1"
-        self.url = f"s3://{self.bucket}/{self.prefix}" + (f"?endpoint={self.endpoint_url}" if self.endpoint_url else "")
+        # What is shown of the endpoint: user info in it is a secret (botocore still gets the URL).
+        self.endpoint_shown = redact(self.endpoint_url) if self.endpoint_url else None
+        shown = f"?endpoint={self.endpoint_shown}" if self.endpoint_url else ""
+        self.url = f"s3://{self.bucket}/{self.prefix}{shown}"
         self.multipart_bytes = multipart_bytes
         self.concurrency = concurrency
         self.max_attempts = max_attempts
@@ -101,7 +108,7 @@ class S3Store:
         """A clear error naming what went wrong (never the credentials)."""
         e = self._errors
         where = f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
-        ep = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        ep = f" at {self.endpoint_shown}" if self.endpoint_url else ""
         if isinstance(exc, e.NoCredentialsError):
             return StoreError(f"{op} {where}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
                               "AWS_PROFILE or an instance role)")
@@ -186,7 +193,7 @@ class S3Store:
         if self.fast is None or status is None:  # (None: no plain request was made)
             return
         if 400 <= status < 500:
-            print(f"nemo-dcr: {self.endpoint_url} refused a plain signed request (HTTP {status}) that boto3 then "
+            print(f"nemo-dcr: {self.endpoint_shown} refused a plain signed request (HTTP {status}) that boto3 then "
                   "made: using boto3 only", file=sys.stderr, flush=True)
             self.fast = None
         else:

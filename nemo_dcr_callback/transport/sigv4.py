@@ -25,6 +25,8 @@ from typing import NamedTuple
 from urllib.parse import quote, urlparse
 from xml.etree import ElementTree
 
+from nemo_dcr_callback.transport.urls import redact
+
 _SAFE = "-_.~"
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 
@@ -58,7 +60,7 @@ class SigV4Client:
                  connect_timeout: float = 5.0):
         u = urlparse(endpoint_url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"not an http(s) endpoint: {endpoint_url!r}")
+            raise ValueError(f"not an http(s) endpoint: {redact(endpoint_url)!r}")
         self.https = u.scheme == "https"
         self.host = u.hostname
         self.port = u.port or (443 if self.https else 80)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from nemo_dcr_callback.transport.urls import redact
+
 
 class StoreError(OSError):
     """The store cannot be reached or refused an operation."""
@@ -167,4 +169,4 @@ def open_store(url: str):
         from nemo_dcr_callback.transport.relay_store import RelayStore
 
         return RelayStore(url)
-    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {url!r} (use file://, s3:// or relay://)")
+    raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {redact(url)!r} (use file://, s3:// or relay://)")
