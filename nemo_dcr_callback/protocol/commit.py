@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,17 +34,51 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
     Decision,
     PartRef,
     RankManifest,
+    RecordError,
     Registration,
     VersionRecord,
+    check,
 )
 
 
 def read_json(store, key: str):
-    """A JSON object from the store, or None if the key does not exist."""
+    """A JSON object from the store, or None if the key does not exist; RecordError (naming the
+    key) if the object is not JSON."""
     try:
-        return json.loads(store.get(key))
+        data = store.get(key)
     except KeyError:
         return None
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RecordError(f"{key}: not JSON ({len(data)} bytes)") from None
+
+
+_warned: set[str] = set()
+
+
+def _lenient(kind: str, key: str, obj) -> dict | None:
+    """A receiver-written record, or None (with one warning per key) if it is malformed: one
+    bad registration or ack must not stop training or the tools."""
+    if obj is None or isinstance(obj, RecordError):
+        if obj is not None and key not in _warned:
+            _warned.add(key)
+            print(f"nemo-dcr: skipping {obj}", file=sys.stderr)
+        return None
+    try:
+        return check(kind, key, obj)
+    except RecordError as exc:
+        if key not in _warned:
+            _warned.add(key)
+            print(f"nemo-dcr: skipping {exc}", file=sys.stderr)
+        return None
+
+
+def _read_lenient(store, key: str):
+    try:
+        return read_json(store, key)
+    except RecordError as exc:
+        return exc
 
 
 def read_jsons(store, keys: list[str]) -> list:
@@ -52,8 +87,8 @@ def read_jsons(store, keys: list[str]) -> list:
     commit's path)."""
     pool = getattr(store, "executor", None)
     if pool is None or len(keys) < 2:
-        return [read_json(store, k) for k in keys]
-    return list(pool().map(lambda k: read_json(store, k), keys))
+        return [_read_lenient(store, k) for k in keys]
+    return list(pool().map(lambda k: _read_lenient(store, k), keys))
 
 
 # ------------------------------------------------------------------ sender side
@@ -159,7 +194,8 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
 
 
 def read_record(store, v: int) -> VersionRecord | None:
-    return read_json(store, version_record(v))
+    r = read_json(store, version_record(v))
+    return None if r is None else check("version", version_record(v), r)
 
 
 def list_versions(store) -> list[int]:
@@ -178,8 +214,9 @@ def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
     """Registered receivers (those seen within live_s seconds, if given)."""
     out = {}
     now = time.time()
-    names = [n for n in store.children(keys.RECEIVERS) if n.endswith(".json")]
-    for r in read_jsons(store, [f"{keys.RECEIVERS}/{n}" for n in names]):
+    names = [f"{keys.RECEIVERS}/{n}" for n in store.children(keys.RECEIVERS) if n.endswith(".json")]
+    for key, r in zip(names, read_jsons(store, names), strict=True):
+        r = _lenient("registration", key, r)
         if r is not None and (live_s is None or now - r["time"] <= live_s):
             out[r["receiver"]] = r
     return out
@@ -221,11 +258,13 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[
         missing = [r for r in expected if f"{r}.json" not in seen]  # seen: by object name, as listed
         if len(missing) <= DIRECT_ACK_READS:
             for r, a in zip(missing, read_jsons(store, [ack_key(v, r) for r in missing]), strict=True):
+                a = _lenient("ack", ack_key(v, r), a)
                 if a is not None:
                     seen[f"{r}.json"] = a
             return {a["receiver"]: a for a in seen.values()}
     new = [n for n in store.children(keys.acks_dir(v)) if n not in seen]
     for name, a in zip(new, read_jsons(store, [f"{keys.acks_dir(v)}/{n}" for n in new]), strict=True):
+        a = _lenient("ack", f"{keys.acks_dir(v)}/{name}", a)
         if a is not None:
             seen[name] = a
     return {a["receiver"]: a for a in seen.values()}
@@ -275,7 +314,8 @@ def decide(store, v: int, base: int, decision: str, acked: list[str], lagging: l
 
 
 def read_decision(store, v: int) -> Decision | None:
-    return read_json(store, decision_key(v))
+    d = read_json(store, decision_key(v))
+    return None if d is None else check("decision", decision_key(v), d)
 
 
 def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: bool = True,

@@ -60,3 +60,35 @@ class Registration(TypedDict):
     receiver: str
     version: int
     time: float
+
+
+class RecordError(ValueError):
+    """A store object that is not the record its key says it is (not JSON, a field missing or of
+    the wrong type). Raised with the key named, never a bare KeyError or JSONDecodeError."""
+
+
+# Fields a reader relies on, with their types. Receivers write registrations and acks with a
+# token every receiver shares, so those are checked on every read; the publisher's records
+# are checked where a tool reads them (status, gc) so garbage gives a clear error.
+_NUM = (int, float)
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    "registration": {"receiver": (str,), "version": (int,), "time": _NUM},
+    "ack": {"version": (int,), "receiver": (str,), "base": (int,), "ok": (bool,), "time": _NUM},
+    "decision": {"version": (int,), "base": (int,), "decision": (str,), "acked": (list,), "lagging": (list,),
+                 "reason": (str,), "time": _NUM},
+    "version": {"version": (int,), "base": (int,), "world": (int,), "ranks": (list,), "bytes": (int,),
+               "params": (int,), "changed": (int,), "digests": (dict,), "time": _NUM},
+}
+
+
+def check(kind: str, key: str, obj) -> dict:
+    """obj if it has every field of `kind` with the right type, else RecordError naming key."""
+    if not isinstance(obj, dict):
+        raise RecordError(f"{key}: not a {kind} record (a JSON object expected, got {type(obj).__name__})")
+    for field, types in SCHEMAS[kind].items():
+        val = obj.get(field)
+        if not isinstance(val, types) or (type(val) is bool and bool not in types):
+            raise RecordError(f"{key}: not a {kind} record (field {field!r} is {val!r})")
+    if kind == "decision" and obj["decision"] not in ("commit", "abort"):
+        raise RecordError(f"{key}: not a decision record (decision {obj['decision']!r})")
+    return obj

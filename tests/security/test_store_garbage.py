@@ -1,0 +1,91 @@
+"""Issue 38, findings 4 and 8: garbage in the store never stops training or the tools.
+
+Receivers write registrations and acks with a shared token, so a malformed one is skipped with
+a warning naming its key; a malformed record the publisher would have written (a decision, a
+version record) gives status and gc a clear error naming the key, not a KeyError traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.testing.launch import torchrun_cmd
+from nemo_dcr_callback.transport.store import FileStore
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = str(Path(sys.executable).parent / "nemo-dcr")
+JUNK = {"garbage.json": b"garbage", "empty.json": b"{}", "badtime.json": b'{"receiver":"x","version":1,"time":"soon"}',
+        "list.json": b"[1, 2]", "boolversion.json": b'{"receiver":"y","version":true,"time":1.0}'}
+
+
+def plant_junk(store: FileStore) -> None:
+    for name, body in JUNK.items():
+        store.put(f"receivers/{name}", body)
+
+
+def test_junk_registrations_are_skipped_with_their_keys_named(tmp_path, capsys):
+    store = FileStore(tmp_path)
+    plant_junk(store)
+    commit.register(store, "good", 3)
+    regs = commit.receivers(store)
+    assert list(regs) == ["good"] and regs["good"]["version"] == 3
+    err = capsys.readouterr().err
+    for name in JUNK:
+        assert f"receivers/{name}" in err
+
+
+def test_junk_acks_are_skipped(tmp_path):
+    store = FileStore(tmp_path)
+    store.put("versions/0000000001/acks/evil.json", b"not json")
+    store.put("versions/0000000001/acks/half.json", b'{"receiver":"h"}')
+    commit.write_ack(store, 1, "good", 0)
+    assert list(commit.read_acks(store, 1)) == ["good"]
+    assert list(commit.read_acks(store, 1, expected=["good", "evil"])) == ["good"]
+
+
+@pytest.mark.parametrize("key,body,says,tools", [
+    ("versions/0000000001/DECISION.json", b"garbage", "DECISION.json: not JSON", ("status", "gc")),
+    ("versions/0000000001/DECISION.json", b'{"decision":"commit"}', "not a decision record", ("status", "gc")),
+    ("versions/0000000001/VERSION.json", b'{"version":1}', "not a version record", ("status",)),
+])
+def test_status_and_gc_name_the_bad_key(tmp_path, key, body, says, tools):
+    store = FileStore(tmp_path)
+    commit.register(store, "good", 0)
+    store.put(key, body)
+    for tool in ("status", "gc"):
+        cmd = [tool, "--dry-run"] if tool == "gc" else [tool]
+        p = subprocess.run([CLI, *cmd, "--store", f"file://{tmp_path}"], capture_output=True, text=True)
+        out = p.stdout + p.stderr
+        assert "Traceback" not in out
+        if tool in tools:  # gc never reads version records: it just runs
+            assert p.returncode == 2, (cmd, out)
+            assert key in out and says in out, (cmd, out)
+        else:
+            assert p.returncode == 0, (cmd, out)
+    assert store.get(key) == body  # nothing rewritten
+
+
+def test_junk_registration_during_a_real_publish(tmp_path):
+    """The trainer (Lightning + megatron-core, 1 rank) publishes two versions to a store that
+    already holds junk registrations: training ends normally, naming each junk key once."""
+    store_dir = tmp_path / "store"
+    plant_junk(FileStore(store_dir))
+    cmd = torchrun_cmd(1, ["-m", "nemo_dcr_callback.recipes.train", f"hydra.run.dir={tmp_path}",
+                           "trainer.max_steps=2", "model.num_layers=2", "model.hidden_size=64",
+                           "model.ffn_hidden_size=176", "model.num_attention_heads=4", "model.num_query_groups=2",
+                           "model.vocab_size=256", "model.seq_length=16", f"dcr.store=file://{store_dir}"])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "publisher failed" not in out
+    for name in JUNK:
+        assert out.count(f"receivers/{name}") >= 1, out[-3000:]
+    decided = [json.loads((store_dir / "versions" / f"{v:010d}" / "DECISION.json").read_text())["decision"]
+               for v in (1, 2)]
+    assert decided == ["commit", "commit"]
