@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 from nemo_dcr_callback.commands.base import Command, positive
 
@@ -250,11 +251,25 @@ def _s3_server(args: argparse.Namespace) -> int:
           "credentials for clients (never logged elsewhere):", flush=True)
     for k, v in s3.env().items():
         print(f"export {k}={v}", flush=True)
+    # systemd, docker and timeout stop a service with SIGTERM (a closed terminal: SIGHUP); weed
+    # runs in its own session, so without this it would outlive us and keep its ports and data.
+    def stopped(signum, frame):
+        raise _Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stopped)
     try:
         s3.proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped) as exc:
+        why = signal.Signals(exc.args[0]).name if isinstance(exc, _Stopped) else "interrupted"
+        print(f"nemo-dcr s3-server: {why}: stopping SeaweedFS", flush=True)
+    finally:
         s3.stop()
     return 0
+
+
+class _Stopped(Exception):
+    """A stop signal, raised out of the wait so the finally clause stops SeaweedFS."""
 
 
 COMMANDS = (
