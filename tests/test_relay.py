@@ -5,6 +5,7 @@ BF16 tensors of each version."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,6 +27,12 @@ from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
 from nemo_dcr_callback.transport.topology import Topology
 
 TOKEN = "test-token-7f3a"
+
+
+def ack_body(v: int, receiver: str, ok: bool = True) -> bytes:
+    """An ack as a receiver writes it (the relay refuses anything else at an ack's key)."""
+    return json.dumps({"version": v, "receiver": receiver, "base": v - 1, "ok": ok, "error": None,
+                       "time": 1.0}).encode()
 
 
 class RelayProc:
@@ -404,7 +411,7 @@ def test_receivers_long_poll_wakes_on_data_not_on_acks(tmp_path, relays):
     r = relays(origin.url, "root")
     store = RelayStore(r.url, token=TOKEN)
     gen = store.wait(0, 0.01)
-    store.put(commit.ack_key(1, "worker-3"), b"{}")  # an ack written through the relay
+    store.put(commit.ack_key(1, "worker-3"), ack_body(1, "worker-3"))  # an ack written through the relay
     commit.register(store, "worker-4", 1)  # and a registration
     t0 = time.monotonic()
     g1 = store.wait(gen, 0.4, data_only=True)
@@ -644,11 +651,11 @@ def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(t
         try:
             store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
             run = asyncio.get_running_loop().run_in_executor
-            await run(None, store.put, key, b'{"ok": true}')
+            await run(None, store.put, key, ack_body(1, "rx-0"))
             t_put = time.monotonic()
             first = await run(None, store.get, key)
             n_first = len(gets)
-            origin.put(key, b'{"ok": false}')  # around the relay (a receiver that failed over)
+            origin.put(key, ack_body(1, "rx-0", ok=False))  # around the relay (a receiver that failed over)
             within = await run(None, store.get, key)
             dt = time.monotonic() - t_put
             await asyncio.sleep(0.6)
@@ -658,10 +665,10 @@ def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(t
             await relay.stop()
 
     first, n_first, within, dt, after = asyncio.run(main())
-    assert first == b'{"ok": true}' and n_first == 0, gets  # served from the relay: the parent was not asked
+    assert first == ack_body(1, "rx-0") and n_first == 0, gets  # served from the relay: the parent was not asked
     if dt < 0.45:  # (a slow host may be past the TTL already)
-        assert within == b'{"ok": true}'
-    assert after == b'{"ok": false}' and gets[-1:] == [key]
+        assert within == ack_body(1, "rx-0")
+    assert after == ack_body(1, "rx-0", ok=False) and gets[-1:] == [key]
 
 
 def test_a_child_relay_pulls_what_its_parent_announces_without_listing_it(tmp_path, relays):
@@ -792,14 +799,14 @@ def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_pa
             run = asyncio.get_running_loop().run_in_executor
             gen = await run(None, committer.wait, 0, 0.01)
             t0 = time.monotonic()
-            put = run(None, writer.put, good, b'{"ok": true}')
+            put = run(None, writer.put, good, ack_body(1, "rx-0"))
             gen2, news = await run(None, committer.wait_keys, gen, 5.0, False)
             seen = await run(None, committer.get, good)
             seen_after, in_origin = time.monotonic() - t0, origin.exists(good)
             await put
             put_s = time.monotonic() - t0
             with pytest.raises(StoreError, match="disk full|500|502"):
-                await run(None, writer.put, bad, b'{"ok": true}')
+                await run(None, writer.put, bad, ack_body(1, "rx-1"))
             with pytest.raises(KeyError):
                 await run(None, committer.get, bad)
             listed = await run(None, committer.list, "versions/0000000001/acks")
@@ -808,7 +815,7 @@ def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_pa
             await relay.stop()
 
     news, seen, seen_after, in_origin, put_s, listed = asyncio.run(main())
-    assert news == [good] and seen == b'{"ok": true}'
+    assert news == [good] and seen == ack_body(1, "rx-0")
     assert seen_after < 0.8 and not in_origin, (seen_after, in_origin)  # seen before the origin had it
     assert put_s >= 1.0  # the writer's PUT waited for the origin
     assert bad not in listed and good in listed

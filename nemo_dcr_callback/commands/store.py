@@ -139,6 +139,8 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="relay", help="this relay's name (in --topology: its node)")
     p.add_argument("--listen", default=None, help="HOST:PORT (default: from --topology, else 127.0.0.1:0)")
     p.add_argument("--token-env", default="NEMO_DCR_RELAY_TOKEN", help="environment variable holding the token")
+    p.add_argument("--receiver-token-env", default="NEMO_DCR_RELAY_RECEIVER_TOKEN",
+                   help="environment variable holding the receivers' token (may write only registrations and acks)")
     p.add_argument("--no-token", action="store_true", help="accept unauthenticated peers (loopback trials only)")
     p.add_argument("--cache-mb", type=positive, default=1024)
     p.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
@@ -182,14 +184,33 @@ def _relay_endpoints(args: argparse.Namespace) -> tuple[str, str, int]:
     return parent, host, port
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _relay(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.transport.relay import RelayConfig, serve
 
     parent, host, port = _relay_endpoints(args)
     token = None if args.no_token else os.environ.get(args.token_env)
-    if token is None and not args.no_token:
+    if args.no_token and not _loopback(host):
+        raise ValueError(f"--no-token is for loopback trials only, not for listening on {host}")
+    if not args.no_token and not token:
+        if token == "":
+            raise ValueError(f"no relay token: {args.token_env} is empty (or --no-token for loopback trials)")
         raise ValueError(f"no relay token: set {args.token_env} (or --no-token for loopback trials)")
-    serve(parent, RelayConfig(host=host, port=port, token=token, name=args.name, cache_mb=args.cache_mb,
+    receiver_token = os.environ.get(args.receiver_token_env) if not args.no_token else None
+    if receiver_token == "" or (receiver_token and receiver_token == token):
+        raise ValueError(f"{args.receiver_token_env} must be a token of its own (empty, or the publisher's)")
+    serve(parent, RelayConfig(host=host, port=port, token=token, receiver_token=receiver_token, name=args.name,
+                              cache_mb=args.cache_mb,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
                               write_through_poll_s=args.write_through_poll_ms / 1e3,

@@ -114,6 +114,24 @@ def is_mutable(key: str) -> bool:
     return key.startswith(f"{RECEIVERS}/") or is_ack(key)
 
 
+def is_committed(key: str) -> bool:
+    """Objects that make a version's history (parts, manifests, records, decisions, keyframes):
+    written once and never replaced (acks, under a version's folder, are the receivers')."""
+    return (key.startswith(f"{VERSIONS}/") or key.startswith(f"{KEYFRAMES}/")) and not is_ack(key)
+
+
+def receiver_record(key: str) -> tuple[str, str, int | None] | None:
+    """("registration", receiver, None) or ("ack", receiver, version) for a receiver-written
+    key, else None: what a receiver's token may write, and whose record it must be."""
+    parts = key.split("/")
+    if len(parts) == 2 and parts[0] == RECEIVERS and parts[1].endswith(".json") and len(parts[1]) > 5:
+        return "registration", parts[1][:-5], None
+    if (len(parts) == 4 and parts[0] == VERSIONS and parts[1].isdigit() and parts[2] == ACKS
+            and parts[3].endswith(".json") and len(parts[3]) > 5):
+        return "ack", parts[3][:-5], int(parts[1])
+    return None
+
+
 def is_ack(key: str) -> bool:
     return f"/{ACKS}/" in key
 

@@ -18,7 +18,9 @@ class RelayConfig:
 
     host: str = "127.0.0.1"  # the address to listen on
     port: int = 0  # 0: a free port (printed on start)
-    token: str | None = None  # shared token peers must present; None: no authentication (loopback trials)
+    token: str | None = None  # the publisher's token (may write anything); None: no authentication (loopback trials)
+    # receivers' token: read everything, write only registrations and acks (docs/SECURITY.md)
+    receiver_token: str | None = None
     name: str = "relay"  # this node's name: in its stats, access log and start line
     cache_mb: int = 1024  # memory for cached objects; beyond it, LRU objects spill to disk
     spill_dir: str | None = None  # None: evicted objects are dropped (and refetched if asked again)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 
 import xxhash
 from aiohttp import web
 
-from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.protocol import keys, records
 from nemo_dcr_callback.transport.relay.cache import VerifyError, verify_object
 from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, LENGTH_HEADER, OBJECT_ROUTE
 
@@ -22,6 +23,20 @@ def _peer(request) -> str | None:
     if isinstance(peer, tuple) and len(peer) >= 2:
         return f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
     return request.remote
+
+
+def _receiver_record_error(own: tuple[str, str, int | None], key: str, data: bytes) -> str | None:
+    """Why a registration or ack body is refused (None: it is the record its key names)."""
+    kind, receiver, version = own
+    try:
+        obj = records.check(kind, key, json.loads(data))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return f"not a JSON {kind}"
+    except records.RecordError as exc:
+        return str(exc)
+    if obj["receiver"] != receiver or (version is not None and obj["version"] != version):
+        return f"the {kind} names receiver {obj['receiver']!r}, version {obj['version']}"
+    return None
 
 
 class HttpSide:
@@ -41,14 +56,19 @@ class HttpSide:
         return app
 
     # ------------------------------------------------------------ every request
-    def _authorized(self, request: web.Request) -> bool:
+    def _role(self, request: web.Request) -> str | None:
+        """"publisher", "receiver" or None (no valid token). Without a configured token every
+        peer is the publisher (loopback trials)."""
         if self.cfg.token is None:
-            return True
-        got = request.headers.get("Authorization", "")
-        ok = hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
-        if not ok:
-            self.stats["unauthorized"] += 1
-        return ok
+            return "publisher"
+        got = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(got, f"Bearer {self.cfg.token}".encode()):
+            return "publisher"
+        rt = self.cfg.receiver_token
+        if rt and hmac.compare_digest(got, f"Bearer {rt}".encode()):
+            return "receiver"
+        self.stats["unauthorized"] += 1
+        return None
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -70,8 +90,10 @@ class HttpSide:
                          "status": status, "bytes": size, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
 
     async def _serve(self, request: web.Request, handler):
-        if request.path != "/health" and not self._authorized(request):
+        role = "publisher" if request.path == "/health" else self._role(request)
+        if role is None:
             return web.json_response({"error": "missing or wrong relay token"}, status=401)
+        request["role"] = role
         kind = request.method if request.path.startswith(OBJECT_ROUTE) else request.path.lstrip("/")
         self.stats["requests"][kind] = self.stats["requests"].get(kind, 0) + 1
         try:
@@ -116,8 +138,17 @@ class HttpSide:
         reports what its receiver did: the decision, written through here only once the origin
         took it, is what stands."""
         key = request.match_info["key"]
+        own = keys.receiver_record(key)
+        if request["role"] != "publisher" and own is None:
+            return web.json_response({"error": f"a receiver's token may write only registrations and acks, "
+                                               f"not {key}"}, status=403)
         data = await request.read()
         self.stats["puts"] += 1
+        if own is not None:
+            bad = _receiver_record_error(own, key, data)
+            if bad:
+                self.stats["rejected"] += 1
+                return web.json_response({"error": f"refused {key}: {bad}"}, status=400)
         keep = not keys.is_mutable(key)
         early = keys.is_ack(key) and request.query.get("if_absent") != "1"
         if early:
@@ -136,6 +167,13 @@ class HttpSide:
                 created = await self._up(self.parent.put_if_absent, key, data)
                 if not created:  # another writer's object stands: fetched from the parent when asked
                     return web.json_response({"created": False}, status=412)
+            elif keys.is_committed(key):
+                # history is create-only: the same bytes again (a retry) stand, others are refused
+                if not await self._up(self.parent.put_if_absent, key, data):
+                    if await self._up(self.parent.get, key) != data:
+                        self.stats["rejected"] += 1
+                        return web.json_response({"error": f"{key} is committed and immutable: not replaced"},
+                                                 status=409)
             else:
                 try:
                     await self._up(self.parent.put, key, data)
