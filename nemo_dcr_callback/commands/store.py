@@ -142,6 +142,10 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receiver-token-env", default="NEMO_DCR_RELAY_RECEIVER_TOKEN",
                    help="environment variable holding the receivers' token (may write only registrations and acks)")
     p.add_argument("--no-token", action="store_true", help="accept unauthenticated peers (loopback trials only)")
+    p.add_argument("--header-timeout-s", type=float, default=15.0,
+                   help="close a connection that has not sent a complete request within this")
+    p.add_argument("--body-timeout-s", type=float, default=120.0, help="refuse a request body not complete within this")
+    p.add_argument("--max-connections-per-peer", type=positive, default=256, help="per client address")
     p.add_argument("--cache-mb", type=positive, default=1024)
     p.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
     p.add_argument("--spill-mb", type=positive, default=8192)
@@ -211,6 +215,8 @@ def _relay(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.receiver_token_env} must be a token of its own (empty, or the publisher's)")
     serve(parent, RelayConfig(host=host, port=port, token=token, receiver_token=receiver_token, name=args.name,
                               cache_mb=args.cache_mb,
+                              header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                              max_connections_per_peer=args.max_connections_per_peer,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
                               write_through_poll_s=args.write_through_poll_ms / 1e3,

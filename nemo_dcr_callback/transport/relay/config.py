@@ -53,6 +53,13 @@ class RelayConfig:
     lanes: int = 2  # parts pulled at once by the watcher (in order: the first ones arrive first)
     tls_cert: str | None = None  # serve HTTPS (relays://) with this certificate chain ...
     tls_key: str | None = None  # ... and this key; None: plain HTTP
+    # Limits against a peer that opens connections and never finishes a request (docs/SECURITY.md):
+    header_timeout_s: float = 15.0  # a connection without a complete request for this long is closed
+    body_timeout_s: float = 120.0  # a request body not complete within this is refused (408)
+    max_connections_per_peer: int = 256  # per client address; more are closed at once
+    max_connections: int = 8192  # in all (the process's file descriptors are the hard limit)
+    max_uploads: int = 4  # request bodies read at once (each is held in memory until passed up)
+    max_record_bytes: int = 64 << 10  # a registration or an ack
     fault: str | None = field(default_factory=faults.relay_fault)  # tests only (faults.py)
     # a file getting one JSON line per request served and per call to the parent (None: off):
     # what was asked, answered and fetched, and when, to trace a refusal back to its cause

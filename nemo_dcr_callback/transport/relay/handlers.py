@@ -142,7 +142,21 @@ class HttpSide:
         if request["role"] != "publisher" and own is None:
             return web.json_response({"error": f"a receiver's token may write only registrations and acks, "
                                                f"not {key}"}, status=403)
-        data = await request.read()
+        limit = self.cfg.max_record_bytes if own is not None else None
+        if limit is not None and (request.content_length or 0) > limit:
+            return web.json_response({"error": f"refused {key}: larger than {limit} bytes"}, status=413)
+        async with self._uploads:  # bodies are held in memory until passed up: a bounded number
+            try:
+                data = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+            except TimeoutError:
+                return web.json_response({"error": f"body of {key} not complete in {self.cfg.body_timeout_s:.0f} s"},
+                                         status=408)
+            return await self._put(request, key, own, data)
+
+    async def _put(self, request: web.Request, key: str, own, data: bytes) -> web.Response:
+        if own is not None and len(data) > self.cfg.max_record_bytes:
+            return web.json_response({"error": f"refused {key}: larger than {self.cfg.max_record_bytes} bytes"},
+                                     status=413)
         self.stats["puts"] += 1
         if own is not None:
             bad = _receiver_record_error(own, key, data)
@@ -206,8 +220,13 @@ class HttpSide:
         With data=1 only new immutable objects count: receivers and relays below wait for parts,
         manifests, records and decisions, and a fleet's acks and registrations (each one a
         change) would otherwise wake every receiver once per receiver per version."""
-        known = int(request.query.get("gen", "0"))
-        limit = min(float(request.query.get("timeout", "1")), 30.0)
+        try:
+            known = int(request.query.get("gen", "0"))
+            limit = min(float(request.query.get("timeout", "1")), 30.0)
+        except ValueError:
+            return web.json_response({"error": "gen must be an integer and timeout a number"}, status=400)
+        if not limit >= 0:  # (NaN too)
+            return web.json_response({"error": "timeout must be a number >= 0"}, status=400)
         data_only = request.query.get("data") == "1"
         deadline = time.monotonic() + limit
         while not self._news(known, data_only):

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -44,9 +44,11 @@ class Relay(HttpSide, StoreSide):
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
         self.watch_alive = 0.0
+        self._uploads = asyncio.Semaphore(cfg.max_uploads)
         self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
+                      "refused_connections": 0,
                       "requests": {},  # served, by kind: GET, HEAD, PUT (objects), wait, list, children, stats
                       "upstream": {},  # asked of the parent, by call: get, list, children, put, wait, ...
                       "started": time.time()}
@@ -82,8 +84,11 @@ class Relay(HttpSide, StoreSide):
 
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
-        self.runner = web.AppRunner(self.app(), access_log=None)
+        # keepalive_timeout also bounds a connection that never completes its first request
+        # (aiohttp arms it at connection start): the slow-headers guard
+        self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.cfg.header_timeout_s)
         await self.runner.setup()
+        _limit_connections(self.runner.server, self.cfg, self.stats)
         site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=ssl_ctx, backlog=1024)
         await site.start()
         self.port = self.runner.addresses[0][1]
@@ -101,6 +106,33 @@ class Relay(HttpSide, StoreSide):
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _limit_connections(server, cfg: RelayConfig, stats: dict) -> None:
+    """Close connections beyond cfg's per-peer and total limits as they are accepted, so one
+    peer cannot take every file descriptor (and with them /health and every other client)."""
+    made, lost = server.connection_made, server.connection_lost
+    peer_of: dict = {}
+    per_peer: Counter = Counter()
+
+    def connection_made(handler, transport) -> None:
+        made(handler, transport)
+        peer = (transport.get_extra_info("peername") or ("?",))[0]
+        peer_of[handler] = peer
+        per_peer[peer] += 1
+        if per_peer[peer] > cfg.max_connections_per_peer or len(peer_of) > cfg.max_connections:
+            stats["refused_connections"] += 1
+            transport.close()  # connection_lost follows and releases the counts
+
+    def connection_lost(handler, exc=None) -> None:
+        peer = peer_of.pop(handler, None)
+        if peer is not None:
+            per_peer[peer] -= 1
+            if not per_peer[peer]:
+                del per_peer[peer]
+        lost(handler, exc)
+
+    server.connection_made, server.connection_lost = connection_made, connection_lost
 
 
 def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
