@@ -146,6 +146,8 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a connection that has not sent a complete request within this")
     p.add_argument("--body-timeout-s", type=float, default=120.0, help="refuse a request body not complete within this")
     p.add_argument("--max-connections-per-peer", type=positive, default=256, help="per client address")
+    p.add_argument("--max-object-mb", type=positive, default=1024, help="largest part or model file taken in a PUT")
+    p.add_argument("--upload-mb", type=positive, default=2048, help="request bodies held at once while read")
     p.add_argument("--cache-mb", type=positive, default=1024)
     p.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
     p.add_argument("--spill-mb", type=positive, default=8192)
@@ -217,6 +219,7 @@ def _relay(args: argparse.Namespace) -> int:
                               cache_mb=args.cache_mb,
                               header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                               max_connections_per_peer=args.max_connections_per_peer,
+                              max_object_mb=args.max_object_mb, upload_mb=args.upload_mb,
                               spill_dir=args.spill_dir, spill_mb=args.spill_mb, poll_s=args.poll_ms / 1e3,
                               idle_poll_s=args.idle_poll_ms / 1e3,
                               write_through_poll_s=args.write_through_poll_ms / 1e3,

@@ -132,6 +132,33 @@ def receiver_record(key: str) -> tuple[str, str, int | None] | None:
     return None
 
 
+def kind(key: str) -> str | None:
+    """Which object of the protocol a key names: part, rank_manifest, record, decision, ack,
+    registration, keyframe_model, keyframe_config, keyframe_record, verify_model, stats; None
+    for any other key (a relay refuses to store it: nothing but the protocol's objects lands
+    in the origin)."""
+    p = key.split("/")
+    own = receiver_record(key)
+    if own is not None:
+        return own[0]
+    if len(p) == 3 and p[0] == VERSIONS and p[1].isdigit():
+        if p[2] in (VERSION_FILE, DECISION_FILE):
+            return "record" if p[2] == VERSION_FILE else "decision"
+        if p[2].startswith("rank-") and p[2].endswith(".json") and p[2][5:-5].isdigit():
+            return "rank_manifest"
+    if (len(p) == 4 and p[0] == VERSIONS and p[1].isdigit() and p[2].startswith("rank-") and p[2][5:].isdigit()
+            and p[3].startswith("part-") and p[3].endswith(PART_SUFFIX) and p[3][5:-len(PART_SUFFIX)].isdigit()):
+        return "part"
+    if len(p) == 3 and p[0] == KEYFRAMES and p[1].isdigit():
+        return {MODEL_FILE: "keyframe_model", CONFIG_FILE: "keyframe_config",
+                KEYFRAME_FILE: "keyframe_record"}.get(p[2])
+    if len(p) == 3 and p[0] == VERIFY and p[1].isdigit() and p[2] == MODEL_FILE:
+        return "verify_model"
+    if len(p) == 2 and p[0] == STATS and p[1].startswith("rank-") and p[1].endswith(".json") and p[1][5:-5].isdigit():
+        return "stats"
+    return None
+
+
 def is_ack(key: str) -> bool:
     return f"/{ACKS}/" in key
 

@@ -58,8 +58,21 @@ class RelayConfig:
     body_timeout_s: float = 120.0  # a request body not complete within this is refused (408)
     max_connections_per_peer: int = 256  # per client address; more are closed at once
     max_connections: int = 8192  # in all (the process's file descriptors are the hard limit)
-    max_uploads: int = 4  # request bodies read at once (each is held in memory until passed up)
+    # Request bodies are read into one buffer each (that buffer is then verified, passed up and
+    # cached, never copied): these bound what uploads can take, by size and in all.
+    max_uploads: int = 4  # request bodies read at once
+    upload_mb: int = 2048  # bytes of request bodies being read at once
     max_record_bytes: int = 64 << 10  # a registration or an ack
+    max_json_bytes: int = 64 << 20  # a rank manifest, version record, decision, keyframe record, stats
+    max_object_mb: int = 1024  # a part, a keyframe's or verify's model.safetensors
+
+    def max_bytes(self, kind: str) -> int:
+        """The largest body a PUT of this kind of key (protocol.keys.kind) may have."""
+        if kind in ("registration", "ack"):
+            return self.max_record_bytes
+        if kind in ("part", "keyframe_model", "verify_model"):
+            return self.max_object_mb << 20
+        return self.max_json_bytes
     fault: str | None = field(default_factory=faults.relay_fault)  # tests only (faults.py)
     # a file getting one JSON line per request served and per call to the parent (None: off):
     # what was asked, answered and fetched, and when, to trace a refusal back to its cause

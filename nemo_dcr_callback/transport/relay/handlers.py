@@ -39,12 +39,54 @@ def _receiver_record_error(own: tuple[str, str, int | None], key: str, data: byt
     return None
 
 
+async def _read_body(request: web.Request, n: int | None, limit: int) -> bytearray | str:
+    """The body, read as it arrives into one buffer of its announced size (no chunk list, no
+    joined copy: a 900 MB PUT takes 900 MB), or why it is refused."""
+    buf = bytearray(n) if n is not None else bytearray()
+    got = 0
+    async for piece in request.content.iter_any():
+        if n is None:
+            if got + len(piece) > limit:
+                return f"larger than the {limit} bytes allowed"
+            buf += piece
+        else:
+            buf[got:got + len(piece)] = piece
+        got += len(piece)
+    if n is not None and got != n:
+        return f"the body ended after {got} of its {n} bytes"
+    return buf
+
+
+class UploadBudget:
+    """Request bodies being read at once: at most `count`, and `total` bytes in all; a body
+    waits for room (under the body timeout) rather than taking memory the relay lacks."""
+
+    def __init__(self, total: int, count: int):
+        self.total, self.count = total, count
+        self.used = self.active = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            # (a body larger than the whole budget goes alone)
+            await self._cond.wait_for(lambda: self.active < self.count
+                                      and (self.used + n <= self.total or not self.active))
+            self.used += n
+            self.active += 1
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self.active -= 1
+            self._cond.notify_all()
+
+
 class HttpSide:
     """The Relay's request handlers (a mixin of Relay: the state they use is set up in
     Relay.__init__, node.py; what they hold and fetch is StoreSide's, cache.py)."""
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth], client_max_size=self.cfg.max_json_bytes)  # (PUT bodies: h_put)
         app.router.add_get("/health", self.h_health)
         app.router.add_get("/stats", self.h_stats)
         app.router.add_get("/wait", self.h_wait)
@@ -138,25 +180,41 @@ class HttpSide:
         reports what its receiver did: the decision, written through here only once the origin
         took it, is what stands."""
         key = request.match_info["key"]
+        kind = keys.kind(key)
+        if kind is None:  # nothing but the protocol's objects lands in the origin (no disk filling)
+            return web.json_response({"error": f"refused {key}: not a key of the store's protocol"}, status=400)
         own = keys.receiver_record(key)
         if request["role"] != "publisher" and own is None:
             return web.json_response({"error": f"a receiver's token may write only registrations and acks, "
                                                f"not {key}"}, status=403)
-        limit = self.cfg.max_record_bytes if own is not None else None
-        if limit is not None and (request.content_length or 0) > limit:
-            return web.json_response({"error": f"refused {key}: larger than {limit} bytes"}, status=413)
-        async with self._uploads:  # bodies are held in memory until passed up: a bounded number
+        limit = self.cfg.max_bytes(kind)
+        n = request.content_length
+        if n is None:  # (chunked: the size shows only as it arrives; no large object comes so)
+            limit = min(limit, self.cfg.max_json_bytes)
+        if (n or 0) > limit:
+            return web.json_response({"error": f"refused {key}: {n} bytes, larger than the {limit} "
+                                               f"a {kind} may have"}, status=413)
+        need = limit if n is None else n
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                await self._uploads.acquire(need)
+        except TimeoutError:
+            return web.json_response({"error": f"no room to take {key} within {self.cfg.body_timeout_s:.0f} s: "
+                                               f"the relay is busy with other uploads"}, status=503)
+        try:
             try:
-                data = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+                async with asyncio.timeout(self.cfg.body_timeout_s):
+                    data = await _read_body(request, n, limit)
             except TimeoutError:
-                return web.json_response({"error": f"body of {key} not complete in {self.cfg.body_timeout_s:.0f} s"},
-                                         status=408)
+                return web.json_response({"error": f"body of {key} not complete in "
+                                                   f"{self.cfg.body_timeout_s:.0f} s"}, status=408)
+            if isinstance(data, str):
+                return web.json_response({"error": f"refused {key}: {data}"}, status=413 if "larger" in data else 400)
             return await self._put(request, key, own, data)
+        finally:
+            await self._uploads.release(need)
 
-    async def _put(self, request: web.Request, key: str, own, data: bytes) -> web.Response:
-        if own is not None and len(data) > self.cfg.max_record_bytes:
-            return web.json_response({"error": f"refused {key}: larger than {self.cfg.max_record_bytes} bytes"},
-                                     status=413)
+    async def _put(self, request: web.Request, key: str, own, data: bytearray) -> web.Response:
         self.stats["puts"] += 1
         if own is not None:
             bad = _receiver_record_error(own, key, data)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -16,7 +17,7 @@ from aiohttp import web
 from nemo_dcr_callback import faults
 from nemo_dcr_callback.transport.relay.cache import Cache, StoreSide
 from nemo_dcr_callback.transport.relay.config import RelayConfig
-from nemo_dcr_callback.transport.relay.handlers import HttpSide
+from nemo_dcr_callback.transport.relay.handlers import HttpSide, UploadBudget
 from nemo_dcr_callback.transport.relay.watcher import Watcher
 from nemo_dcr_callback.transport.relay.wire import TOKEN_ENV
 
@@ -44,7 +45,7 @@ class Relay(HttpSide, StoreSide):
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
         self.watch_alive = 0.0
-        self._uploads = asyncio.Semaphore(cfg.max_uploads)
+        self._uploads = UploadBudget(cfg.upload_mb << 20, cfg.max_uploads)
         self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
@@ -88,8 +89,10 @@ class Relay(HttpSide, StoreSide):
         # (aiohttp arms it at connection start): the slow-headers guard
         self.runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.cfg.header_timeout_s)
         await self.runner.setup()
-        _limit_connections(self.runner.server, self.cfg, self.stats)
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=ssl_ctx, backlog=1024)
+        _quiet_loop_errors(asyncio.get_running_loop())
+        room, backlog = _connection_room(self.cfg.max_connections)
+        _limit_connections(self.runner.server, self.cfg, self.stats, room)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port, ssl_context=ssl_ctx, backlog=backlog)
         await site.start()
         self.port = self.runner.addresses[0][1]
         if self.cfg.prefetch:
@@ -108,10 +111,63 @@ class Relay(HttpSide, StoreSide):
             self._log = None
 
 
-def _limit_connections(server, cfg: RelayConfig, stats: dict) -> None:
-    """Close connections beyond cfg's per-peer and total limits as they are accepted, so one
-    peer cannot take every file descriptor (and with them /health and every other client)."""
+FD_RESERVE = 256  # descriptors kept for what is not a client: the parent, spill and log files
+ACCEPT_BATCH = 1024  # the listen backlog, which is also how many connections asyncio accepts at once
+
+
+def _connection_room(want: int) -> tuple[int, int]:
+    """(client connections this process can hold, listen backlog). The soft descriptor limit is
+    raised toward the hard one to fit `want`; what it then allows, less FD_RESERVE and one
+    accept batch (connections refused in a batch still hold their descriptors until the loop
+    closes them), is the cap. With a cap above the limit a flood ended in failed accepts,
+    "Too many open files"."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = want + FD_RESERVE + ACCEPT_BATCH
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return want, ACCEPT_BATCH
+    batch = max(16, min(ACCEPT_BATCH, soft // 4))
+    return max(1, min(want, soft - FD_RESERVE - batch)), batch
+
+
+def _quiet_loop_errors(loop, every_s: float = 10.0) -> None:
+    """Errors asyncio reports on its own (a failed accept, a connection torn down mid-write)
+    print one line per kind every every_s at most, with a count: under a flood they were a
+    traceback each, 274 MB of stderr in 30 s."""
+    last: dict = {}
+    count: Counter = Counter()
+
+    def handler(loop, ctx: dict) -> None:
+        exc = ctx.get("exception")
+        kind = (ctx.get("message", ""), type(exc).__name__)
+        count[kind] += 1
+        now = time.monotonic()
+        if now - last.get(kind, -every_s) < every_s:
+            return
+        last[kind] = now
+        n = count.pop(kind)
+        print(f"nemo-dcr relay: {kind[0]}{': ' + repr(exc) if exc else ''}"
+              f"{f' ({n} times in {every_s:.0f} s)' if n > 1 else ''}", file=sys.stderr, flush=True)
+
+    loop.set_exception_handler(handler)
+
+
+def _limit_connections(server, cfg: RelayConfig, stats: dict, max_connections: int) -> None:
+    """Close connections beyond cfg's per-peer limit and max_connections in all as they are
+    accepted, so one peer cannot take every file descriptor (and with them /health and every
+    other client)."""
     made, lost = server.connection_made, server.connection_lost
+    # one peer never takes more than a quarter of the room, so others are served (a flood
+    # from many addresses can still fill it: that is the network's to stop, docs/SECURITY.md)
+    per_peer_max = min(cfg.max_connections_per_peer, max(1, max_connections // 4))
     peer_of: dict = {}
     per_peer: Counter = Counter()
 
@@ -120,16 +176,20 @@ def _limit_connections(server, cfg: RelayConfig, stats: dict) -> None:
         peer = (transport.get_extra_info("peername") or ("?",))[0]
         peer_of[handler] = peer
         per_peer[peer] += 1
-        if per_peer[peer] > cfg.max_connections_per_peer or len(peer_of) > cfg.max_connections:
+        if per_peer[peer] > per_peer_max or len(peer_of) > max_connections:
             stats["refused_connections"] += 1
-            transport.close()  # connection_lost follows and releases the counts
+            release(handler)  # now: a burst of refused connections must not crowd out the next peer
+            transport.close()
 
-    def connection_lost(handler, exc=None) -> None:
+    def release(handler) -> None:
         peer = peer_of.pop(handler, None)
         if peer is not None:
             per_peer[peer] -= 1
             if not per_peer[peer]:
                 del per_peer[peer]
+
+    def connection_lost(handler, exc=None) -> None:
+        release(handler)
         lost(handler, exc)
 
     server.connection_made, server.connection_lost = connection_made, connection_lost
