@@ -22,7 +22,8 @@ import threading
 import time
 from urllib.parse import parse_qs, urlparse
 
-from nemo_dcr_callback.transport.store import StoreError
+from nemo_dcr_callback.protocol.keys import is_committed
+from nemo_dcr_callback.transport.store import StoreError, put_once
 from nemo_dcr_callback.transport.urls import redact
 
 # After a plain signed request got no answer or a server error (and boto3 then succeeded),
@@ -147,7 +148,15 @@ class S3Store:
             raise self._fail("head bucket", "", exc) from None
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
-        """Atomic, checksummed put (S3 objects are durable once acknowledged)."""
+        """Atomic, checksummed put (S3 objects are durable once acknowledged). Committed objects
+        are created once: a conditional PUT (If-None-Match), and above the multipart size, where
+        not every S3 server takes a conditional complete, a check for the object first (a race
+        of two publishers on one large part is then not caught: there is one publisher)."""
+        if is_committed(key):
+            if len(data) <= self.multipart_bytes:
+                return put_once(self, key, data)
+            if self.exists(key):
+                return put_once(self, key, data)  # (compares: same bytes stand, others are refused)
         try:
             if len(data) > self.multipart_bytes:
                 from boto3.s3.transfer import TransferConfig
@@ -208,7 +217,7 @@ class S3Store:
         r = f.request("PUT", f"/{self.bucket}/{self._key(key)}", body=data, headers=headers)
         return -1 if r is None else r.status
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, durable: bool = True) -> bool:
         """PUT with If-None-Match: * — True if this call created the object, False if it existed."""
         st = self._fast_put(key, data, {"If-None-Match": "*"})
         if st == 200:

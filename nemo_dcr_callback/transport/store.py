@@ -13,11 +13,30 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from nemo_dcr_callback.protocol import keys
 from nemo_dcr_callback.transport.urls import redact
 
 
 class StoreError(OSError):
     """The store cannot be reached or refused an operation."""
+
+
+class ImmutableError(StoreError):
+    """A committed object (protocol.keys.is_committed) exists with other bytes: history is
+    create-only on every backend, so it is not replaced."""
+
+
+def put_once(store, key: str, data: bytes, **kw) -> None:
+    """Create a committed object; the same bytes again (a retry) stand, others are refused."""
+    if store.put_if_absent(key, data, **kw):
+        return
+    try:
+        same = store.get(key) == data
+    except KeyError:  # deleted since (gc): write it again
+        return put_once(store, key, data, **kw)
+    if not same:
+        raise ImmutableError(f"{key} is committed and immutable in {redact(store.url)}: it exists with "
+                             f"other bytes, not replaced")
 
 
 class FileStore:
@@ -29,6 +48,17 @@ class FileStore:
         if key.startswith("/") or ".." in key.split("/"):
             raise ValueError(f"bad key {key!r}")
         return self.root / key
+
+    def _inside(self, p: Path) -> bool:
+        """Does p, with every symlink followed, stay inside the store? A link placed in the
+        store must not let a reader (a relay serving this store) read any file it points at,
+        nor gc delete what it points at: such links are no objects, listed or served."""
+        real = os.path.realpath(p)
+        return real == self._real or real.startswith(self._real + os.sep)
+
+    @property
+    def _real(self) -> str:
+        return os.path.realpath(self.root)
 
     def _staged(self, key: str, data: bytes, durable: bool) -> tuple[Path, str]:
         """Write data to a temporary file next to the key's path (fsynced if durable)."""
@@ -47,7 +77,10 @@ class FileStore:
         return p, tmp
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
-        """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not)."""
+        """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not).
+        Committed objects are created once (put_once)."""
+        if keys.is_committed(key):
+            return put_once(self, key, data, durable=durable)
         p, tmp = self._staged(key, data, durable)
         try:
             os.replace(tmp, p)
@@ -55,9 +88,9 @@ class FileStore:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, durable: bool = True) -> bool:
         """Write only if the key does not exist; True if this call created it."""
-        p, tmp = self._staged(key, data, True)
+        p, tmp = self._staged(key, data, durable)
         try:
             os.link(tmp, p)  # atomic, fails if p exists
             return True
@@ -67,13 +100,19 @@ class FileStore:
             Path(tmp).unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes:
+        """The object's bytes; KeyError for a key that is no object here (absent, a folder, or
+        a link leading out of the store)."""
+        p = self._path(key)
         try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
+            if not self._inside(p):
+                raise KeyError(key)
+            return p.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise KeyError(key) from None
 
     def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        p = self._path(key)
+        return p.is_file() and self._inside(p)
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -85,23 +124,26 @@ class FileStore:
 
         keys = self.list(prefix)
         p = self._path(prefix.rstrip("/"))
-        if p.is_dir():
-            shutil.rmtree(p)
+        if p.is_symlink():  # the store's entry goes, never what it points at
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)  # (does not follow links inside: they are unlinked)
         return keys
 
     def children(self, prefix: str) -> list[str]:
         """Names directly under prefix (one level, like an S3 listing with a delimiter)."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir():
+        if not base.is_dir() or not self._inside(base):
             return []
-        return sorted(p.name for p in base.iterdir() if not p.name.endswith(".part"))
+        return sorted(p.name for p in base.iterdir()
+                      if not p.name.endswith(".part") and (not p.is_symlink() or self._inside(p)))
 
     def list(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir():
+        if not base.is_dir() or not self._inside(base):
             return []
         return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
-                      if p.is_file() and not p.name.endswith(".part"))
+                      if p.is_file() and not p.name.endswith(".part") and (not p.is_symlink() or self._inside(p)))
 
 
 def freeze_long_lived() -> None:

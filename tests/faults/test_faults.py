@@ -168,23 +168,30 @@ def test_store_down_aborts_and_restores_then_recovers(stores, proxy, table):
 
 # ------------------------------------------------------------------ chunks damaged in the store
 def _tamper(direct, v, how):
+    """Damage at rest (bit rot, a broken copy): committed objects are create-only through the
+    store's API, so each damaged object is deleted and written anew."""
     parts = sorted(k for k in direct.list(commit.vdir(v)) if k.endswith(".dcr"))
     a, b = parts[0], parts[1]
     blob = direct.get(a)
+
+    def rewrite(key, data):
+        direct.delete([key])
+        direct.put(key, data)
+
     if how == "corrupt":
         x = bytearray(blob)
         x[len(x) // 2] ^= 0x10
-        direct.put(a, bytes(x))
+        rewrite(a, bytes(x))
     elif how == "truncated":
-        direct.put(a, blob[: len(blob) - 100])
+        rewrite(a, blob[: len(blob) - 100])
     elif how == "missing":
         direct.delete([a])
     elif how == "duplicated":  # a chunk repeated inside a part
         first = codec.split_chunks(blob)[0]
-        direct.put(a, blob + bytes(first))
+        rewrite(a, blob + bytes(first))
     elif how == "reordered":  # two parts' contents swapped
-        direct.put(a, direct.get(b))
-        direct.put(b, blob)
+        rewrite(a, direct.get(b))
+        rewrite(b, blob)
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "missing", "duplicated", "reordered"])

@@ -71,6 +71,36 @@ def test_status_and_gc_name_the_bad_key(tmp_path, key, body, says, tools):
     assert store.get(key) == body  # nothing rewritten
 
 
+def _decision(v: int, decision: str) -> bytes:
+    return json.dumps({"version": v, "base": v - 1, "decision": decision, "acked": [], "lagging": [],
+                       "reason": "test", "time": 1.0}).encode()
+
+
+def test_a_file_or_a_link_where_a_version_folder_should_be(tmp_path):
+    """Finding 8: a file named like a version folder gave "Not a directory"; a version folder
+    that is a symlink stopped gc half-way (rmtree refuses links), and a link leading out of
+    the store let gc and the relay reach what it points at. Now a file there is a version
+    without objects, a link out of the store is no version at all, and gc deletes around both."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    store = FileStore(root)
+    commit.register(store, "good", 0)
+    store.put("versions/0000000001/DECISION.json", _decision(1, "abort"))
+    store.put("versions/0000000004/DECISION.json", _decision(4, "abort"))
+    (root / "versions" / "0000000002").write_bytes(b"not a folder")
+    outside.mkdir()
+    (outside / "DECISION.json").write_bytes(_decision(3, "abort"))
+    (outside / "precious.bin").write_bytes(b"keep me")
+    (root / "versions" / "0000000003").symlink_to(outside)
+    (root / "versions" / "0000000005").mkdir()
+    (root / "versions" / "0000000005" / "DECISION.json").symlink_to(outside / "DECISION.json")
+    st = subprocess.run([CLI, "status", "--store", f"file://{root}"], capture_output=True, text=True)
+    assert st.returncode == 0 and "Traceback" not in st.stdout + st.stderr, st.stdout + st.stderr
+    gc = subprocess.run([CLI, "gc", "--store", f"file://{root}"], capture_output=True, text=True)
+    assert gc.returncode == 0 and "Traceback" not in gc.stdout + gc.stderr, gc.stdout + gc.stderr
+    assert not (root / "versions" / "0000000001").exists() and not (root / "versions" / "0000000004").exists()
+    assert (outside / "precious.bin").read_bytes() == b"keep me" and (outside / "DECISION.json").exists()
+
+
 def test_junk_registration_during_a_real_publish(tmp_path):
     """The trainer (Lightning + megatron-core, 1 rank) publishes two versions to a store that
     already holds junk registrations: training ends normally, naming each junk key once."""
