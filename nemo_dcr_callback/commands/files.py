@@ -37,16 +37,18 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never one of the inputs)")
     p.add_argument("--chunk-span", type=positive, default=None, help="positions per chunk (default 2^24)")
     p.add_argument("--level", type=int, default=1, help="zstd level for zstd-coded streams (default 1)")
+    p.add_argument("--sign-key-env", default=None, metavar="VAR",
+                   help="sign the delta (HMAC-SHA256) with the key in this environment variable")
     p.add_argument("-q", "--quiet", action="store_true")
 
 
 def _diff(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.codec import DEFAULT_CHUNK_SPAN
-    from nemo_dcr_callback.tools.deltafile import diff, stats
+    from nemo_dcr_callback.tools.deltafile import diff, signing_key, stats
 
+    key = signing_key(args.sign_key_env) if args.sign_key_env else None
     diff(args.old, args.new, args.output, span=args.chunk_span or DEFAULT_CHUNK_SPAN, level=args.level,
-         force=args.force,
-         quiet=args.quiet)
+         force=args.force, quiet=args.quiet, key=key)
     if not args.quiet:
         print_stats(stats(args.output))
     return 0
@@ -58,15 +60,18 @@ def _patch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("delta")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--verify-key-env", default=None, metavar="VAR",
+                   help="take only a delta signed with the key in this environment variable")
     p.add_argument("-q", "--quiet", action="store_true")
 
 
 def _patch(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.tools.deltafile import patch
+    from nemo_dcr_callback.tools.deltafile import patch, signing_key
 
-    patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet)
+    key = signing_key(args.verify_key_env) if args.verify_key_env else None
+    patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet, key=key)
     if not args.quiet:
-        print(f"wrote {args.output} (every tensor digest verified)")
+        print(f"wrote {args.output} (every tensor digest verified{', signature verified' if key else ''})")
     return 0
 
 

@@ -14,6 +14,7 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.bitops import bits
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
+from nemo_dcr_callback.receiver.rebuild import load_keyframe
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
@@ -28,9 +29,11 @@ def load_model(store, hf_model: str | None, timeout: float):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
             time.sleep(0.1)
+        _, blob = load_keyframe(store, 0)  # (checked before transformers sees it)
         tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
         (tmp / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(0)))
-        (tmp / keys.MODEL_FILE).write_bytes(store.get(keys.keyframe_model(0)))
+        (tmp / keys.MODEL_FILE).write_bytes(blob)
+        del blob
         hf_model = str(tmp)
     return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
 

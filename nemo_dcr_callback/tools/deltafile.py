@@ -11,6 +11,8 @@ every tensor's new digest matched: a bad delta or a wrong base leaves nothing be
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -31,6 +33,9 @@ from nemo_dcr_callback.tools.checkpoint import Checkpoint, CheckpointError, Tens
 
 MAGIC = b"DCRD"
 END_MAGIC = b"DCRDEND\x00"
+SIGNED_MAGIC = b"DCRDSIG\x00"  # the footer of a signed file: an HMAC-SHA256 sits before it
+SIG_BYTES = 32
+MIN_KEY_BYTES = 16
 VERSION = 1
 _HEAD = struct.Struct("<4sHH")  # magic, version, reserved
 _FOOT = struct.Struct("<QQQ8s")  # manifest offset, manifest length, xxh3-64 of manifest, end magic
@@ -39,6 +44,31 @@ MAX_MANIFEST = 1 << 30
 
 class DeltaError(ValueError):
     """A delta file that is corrupt, truncated, of another version or for another base."""
+
+
+def signing_key(env: str) -> bytes:
+    """The delta signing key from the environment variable `env` (never a command-line value:
+    those show in process listings and shell history)."""
+    v = os.environ.get(env, "")
+    if len(v.encode()) < MIN_KEY_BYTES:
+        raise DeltaError(f"{env} must hold the delta signing key, at least {MIN_KEY_BYTES} bytes"
+                         + (" (it is empty or unset)" if not v else f" (it has {len(v.encode())})"))
+    return v.encode()
+
+
+class _Out:
+    """The delta being written, fed to an HMAC as it goes (one pass, as without a key)."""
+
+    def __init__(self, f, mac):
+        self.f, self.mac = f, mac
+
+    def write(self, b: bytes) -> None:
+        self.f.write(b)
+        if self.mac is not None:
+            self.mac.update(b)
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 class _Progress:
@@ -85,8 +115,11 @@ def _check_output(out_path: Path, inputs: list[Path], force: bool) -> None:
 
 
 def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
-         span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False, force: bool = False) -> dict:
-    """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest."""
+         span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False, force: bool = False,
+         key: bytes | None = None) -> dict:
+    """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest. With a key,
+    the file is signed: an HMAC-SHA256 of everything before it (docs/FORMAT.md), for deltas
+    passed between parties, where the unkeyed checksums prove nothing."""
     out_path = Path(out_path)
     _check_output(out_path, [Path(old_path), Path(new_path)], force)
     old, new = Checkpoint(old_path), Checkpoint(new_path)
@@ -94,7 +127,8 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
     tensors, files = [], []
     prog = _Progress("diff", len(new.where), quiet=quiet)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as raw:
+            f = _Out(raw, hmac.new(key, digestmod=hashlib.sha256) if key is not None else None)
             f.write(_HEAD.pack(MAGIC, VERSION, 0))
             for fname, sf in new.files.items():
                 files.append({"path": fname, "header": sf.header_bytes.decode()})
@@ -140,9 +174,12 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
             mbytes = json.dumps(manifest, separators=(",", ":")).encode()
             moff = f.tell()
             f.write(mbytes)
-            f.write(_FOOT.pack(moff, len(mbytes), xxhash.xxh3_64_intdigest(mbytes), END_MAGIC))
-            f.flush()
-            os.fsync(f.fileno())
+            if f.mac is not None:
+                raw.write(f.mac.digest())
+            raw.write(_FOOT.pack(moff, len(mbytes), xxhash.xxh3_64_intdigest(mbytes),
+                                 END_MAGIC if key is None else SIGNED_MAGIC))
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, out_path)
         prog.tick(force=True)
     except BaseException:
@@ -154,7 +191,9 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
 class DeltaFile:
     """A delta file opened for reading: manifest verified, chunks read on demand."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, key: bytes | None = None):
+        """With a key, the file must be signed with it: checked over the whole file before
+        anything else is believed (an unsigned or altered file is refused)."""
         self.path = Path(path)
         try:
             self._f = open(self.path, "rb")
@@ -170,10 +209,14 @@ class DeltaFile:
             raise DeltaError(f"{self.path}: delta format version {ver}, this build reads {VERSION}")
         self._f.seek(size - _FOOT.size)
         moff, mlen, msum, end = _FOOT.unpack(self._f.read(_FOOT.size))
-        if end != END_MAGIC:
+        if end not in (END_MAGIC, SIGNED_MAGIC):
             raise DeltaError(f"{self.path}: truncated delta file (no footer)")
-        if mlen > MAX_MANIFEST or moff + mlen != size - _FOOT.size or moff < _HEAD.size:
+        self.signed = end == SIGNED_MAGIC
+        sig = SIG_BYTES if self.signed else 0
+        if mlen > MAX_MANIFEST or moff + mlen + sig != size - _FOOT.size or moff < _HEAD.size:
             raise DeltaError(f"{self.path}: corrupt footer")
+        if key is not None:
+            self._check_signature(key, moff + mlen)
         self._f.seek(moff)
         mbytes = self._f.read(mlen)
         if xxhash.xxh3_64_intdigest(mbytes) != msum:
@@ -189,6 +232,22 @@ class DeltaFile:
         except DeltaError as exc:
             raise DeltaError(f"{self.path}: {exc}") from None
         self.data_end = moff
+
+    def _check_signature(self, key: bytes, signed_end: int) -> None:
+        if not self.signed:
+            raise DeltaError(f"{self.path}: not signed, and a signed delta is required: refused")
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._f.seek(0)
+        left = signed_end
+        while left:
+            block = self._f.read(min(left, 8 << 20))
+            if not block:
+                raise DeltaError(f"{self.path}: truncated delta file")
+            mac.update(block)
+            left -= len(block)
+        if not hmac.compare_digest(mac.digest(), self._f.read(SIG_BYTES)):
+            raise DeltaError(f"{self.path}: signature does not match (altered after signing, or another key): "
+                             "refused")
 
     def read(self, span: list[int]) -> bytes:
         off, length = span
@@ -238,10 +297,45 @@ def _check_manifest(m: dict) -> None:
             raise DeltaError(f"tensor {rec.get('name')!r}: numel {rec.get('numel')!r} does not match shape {shape!r}")
 
 
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _check_room(m: dict, parent: Path) -> None:
+    """Sizes come from the manifest, which whoever made the delta wrote: a claim larger than
+    the disk (the new files) or the memory (a tensor sent whole is built in memory) is refused
+    with the figures, before anything is written or allocated."""
+    need = 0
+    for f in m["files"]:
+        entries = _entries_from_header(f["header"])
+        need += 8 + len(f["header"].encode()) + max((e.end for e in entries.values()), default=0)
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise DeltaError(f"the new checkpoint takes {need / 1e9:.1f} GB by the delta's manifest, more than the "
+                         f"{free / 1e9:.1f} GB free at {parent}: refused (a wrong or crafted delta?)")
+    mem = _mem_available()
+    for rec in m["tensors"]:
+        size = rec["numel"] * codec.dtype_info(rec["dtype"]).width
+        if rec["mode"] == "full" and mem is not None and size > mem:
+            raise DeltaError(f"tensor {rec['name']!r} is sent whole and takes {size / 1e9:.1f} GB by the delta's "
+                             f"manifest, more than the {mem / 1e9:.1f} GB of memory available: refused")
+
+
 def _entries_from_header(header: str) -> dict[str, TensorEntry]:
-    h = json.loads(header)
-    h.pop("__metadata__", None)
-    return {n: TensorEntry(n, e["dtype"], tuple(e["shape"]), *e["data_offsets"]) for n, e in h.items()}
+    try:
+        h = json.loads(header)
+        h.pop("__metadata__", None)
+        out = {n: TensorEntry(n, e["dtype"], tuple(e["shape"]), *e["data_offsets"]) for n, e in h.items()}
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise DeltaError(f"a file's safetensors header in the manifest is malformed ({type(exc).__name__})") from None
+    for e in out.values():
+        if not (isinstance(e.begin, int) and isinstance(e.end, int) and 0 <= e.begin <= e.end):
+            raise DeltaError(f"tensor {e.name!r}: bad data offsets in its file's header")
+    return out
 
 
 def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict) -> torch.Tensor:
@@ -261,11 +355,11 @@ def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict) -> torch.Tens
 
 
 def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path: str | os.PathLike, *,
-          force: bool = False, quiet: bool = False) -> dict:
+          force: bool = False, quiet: bool = False, key: bytes | None = None) -> dict:
     """Rebuild NEW from BASE and a delta into out_path. All or nothing: on any error
     (DeltaError, codec.ChunkError, CheckpointError) nothing is left at out_path and BASE is
-    untouched (it is only ever read)."""
-    dfile = DeltaFile(delta_path)
+    untouched (it is only ever read). With a key, only a delta signed with it is taken."""
+    dfile = DeltaFile(delta_path, key)
     m = dfile.manifest
     base = Checkpoint(base_path)
     out_path = Path(out_path)
@@ -293,8 +387,9 @@ def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path:
         if o.get("same") and (not base.is_dir or o["path"] not in base.other_files):
             raise DeltaError(f"BASE lacks {o['path']!r}, which the delta takes from the base")
 
-    # 2. Build NEW in a temporary path next to OUT.
+    # 2. Build NEW in a temporary path next to OUT, if there is room for it.
     parent = out_path.parent if str(out_path.parent) else Path(".")
+    _check_room(m, parent)
     tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", suffix=".tmp", dir=parent))
     by_file: dict[str, list[dict]] = {}
     for rec in m["tensors"]:

@@ -131,3 +131,26 @@ def test_diff_refuses_its_own_inputs_and_existing_outputs(tmp_path):
     p = run("diff", old, new, "-o", other, "-q", "--force")
     assert p.returncode == 0, p.stderr
     assert other.read_bytes() == (GOLDEN / "delta.dcr").read_bytes()
+
+
+def test_a_huge_claimed_tensor_is_refused_before_any_allocation(work):
+    """Finding 10: a crafted full-mode tensor, consistent everywhere (numel, shape, the new
+    file's header), claiming 10**12 elements: refused with the figures, nothing allocated or
+    written (before, patch allocated whatever the file claimed)."""
+    tmp, base, _ = work
+    evil = tmp / "evil.dcr"
+
+    def edit(m):
+        full = next(t for t in m["tensors"] if t["mode"] == "full")
+        full["numel"], full["shape"] = 10**12, [10**12]
+        f = next(f for f in m["files"] if f["path"] == full["file"])
+        h = json.loads(f["header"])
+        b = h[full["name"]]["data_offsets"][0]
+        h[full["name"]]["shape"] = [10**12]
+        h[full["name"]]["data_offsets"] = [b, b + 10**12 * 2]
+        f["header"] = json.dumps(h)
+    resign(GOLDEN / "delta.dcr", evil, edit)
+    before = digest_tree(tmp)
+    p = run("patch", base, evil, "-o", tmp / "out")
+    assert p.returncode == 2 and "refused" in p.stderr and "GB" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert digest_tree(tmp) == before
