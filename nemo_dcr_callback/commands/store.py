@@ -21,7 +21,9 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=None, help="relay tree config (YAML, docs/RELAY.md); with --attach")
     p.add_argument("--attach", default=None,
                    help="the relay (name in --topology) this receiver attaches to; 'auto': the fastest to answer")
-    p.add_argument("--id", default=None, help="receiver id: register, ack versions, take part in the joint commit")
+    p.add_argument("--id", default=None,
+                   help="receiver id: register, ack versions, take part in the joint commit; {rank} and "
+                        "{local_rank} take the launcher's (srun, mpirun, torchrun): a fleet in one command")
     p.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
     p.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
     p.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
@@ -61,6 +63,10 @@ def _receive(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
 
     args.store = _receive_store(args)
+    if args.id:
+        from nemo_dcr_callback.launcher import receiver_id
+
+        args.id = receiver_id(args.id)
     if args.model_dir:
         return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
                                receiver_id=args.id, fetch_lanes=args.fetch_lanes,

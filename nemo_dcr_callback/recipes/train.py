@@ -1,8 +1,9 @@
 """Train a megatron-core GPT with Lightning and the DCR callback (a Hydra app).
 
 One process per rank: `torchrun --nproc-per-node N -m nemo_dcr_callback.recipes.train
-[overrides]` (scripts/train.py is the same entry point as a file), or
-scripts/launch_torchrun.sh / scripts/train.sbatch. gloo on CPU, NCCL on GPU. Overrides, e.g.
+[overrides]` (scripts/train.py is the same entry point as a file), `mpirun -n N python
+scripts/train.py`, `srun python scripts/train.py`, or scripts/launch_torchrun.sh /
+scripts/train.sbatch / scripts/train_srun.sbatch. gloo on CPU, NCCL on GPU. Overrides, e.g.
   parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2
   model.num_layers=8 model.hidden_size=512 trainer.max_steps=20 optimizer.lr=1e-5
   dcr.store=file:///shared/dcr dcr.verify=true hydra.run.dir=runs/exp1
@@ -24,6 +25,15 @@ CONFIGS = str(Path(__file__).resolve().parent.parent / "configs")
 
 @hydra.main(config_path=CONFIGS, config_name="train_gpt", version_base=None)
 def main(cfg: DictConfig) -> None:
+    run(cfg, hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+
+
+def run(cfg: DictConfig, run_dir: str) -> None:
+    """One rank's training, under whichever launcher started it (launcher.py: torchrun,
+    mpirun, srun); a composed config runs here without Hydra's command line (tests/mpi)."""
+    from nemo_dcr_callback import launcher
+
+    le = launcher.setup()  # torchrun's variables, whoever launched us: env:// reads those
     warnings.filterwarnings("ignore", module="megatron")
     import lightning.pytorch as L
     import torch
@@ -33,7 +43,6 @@ def main(cfg: DictConfig) -> None:
     from nemo_dcr_callback.testing.lightning_gpt import MegatronGPTModule
     from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig
 
-    run_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     module = MegatronGPTModule(
         TinyGPTConfig(**OmegaConf.to_container(cfg.model)),
@@ -42,7 +51,7 @@ def main(cfg: DictConfig) -> None:
         distributed_optimizer=cfg.parallel.distributed_optimizer, lr=cfg.optimizer.lr,
         micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed)
     callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda", le.local_rank) if torch.cuda.is_available() else "cpu"
     trainer_cls = L.Trainer
     if cfg.trainer.get("cls", "lightning") == "nemo":  # NeMo 2's trainer (pip install nemo-dcr-callback[nemo])
         from nemo import lightning as nl
@@ -51,12 +60,13 @@ def main(cfg: DictConfig) -> None:
     elif cfg.trainer.get("cls", "lightning") != "lightning":
         raise SystemExit(f"trainer.cls must be lightning or nemo, not {cfg.trainer.cls!r}")
     trainer = trainer_cls(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps,
-                        max_epochs=1, callbacks=callbacks, default_root_dir=run_dir,
-                        logger=CSVLogger(run_dir, name="logs") if int(os.environ.get("RANK", "0")) == 0 else False,
-                        enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__}", flush=True)
+                          max_epochs=1, callbacks=callbacks, default_root_dir=run_dir,
+                          logger=CSVLogger(run_dir, name="logs") if le.rank == 0 else False,
+                          enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    if le.rank == 0:
+        print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__} "
+              f"(launcher: {le.launcher}, {le.world_size} ranks)", flush=True)
     trainer.fit(module)
 
 
