@@ -78,3 +78,20 @@ def test_receiver_ids_take_the_launchers_rank():
         receiver_id("rx-{host}", SLURM)
     with pytest.raises(LaunchError, match="SLURM_PROCID=8"):
         receiver_id("rx-{rank}", {**SLURM, "SLURM_PROCID": "8"})
+
+
+def test_the_training_entry_point_stops_on_a_bad_launcher_environment(tmp_path):
+    """A real process: scripts/train.py given a rank past the world size exits at once with
+    the variable named, no traceback, before any process group would wait for ranks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({**OMPI, "OMPI_COMM_WORLD_RANK": "4"})
+    p = subprocess.run([sys.executable, str(script), f"hydra.run.dir={tmp_path}"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 1 and "OMPI_COMM_WORLD_RANK=4 is not a rank of a world of 4" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

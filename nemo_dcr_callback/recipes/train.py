@@ -33,7 +33,10 @@ def run(cfg: DictConfig, run_dir: str) -> None:
     mpirun, srun); a composed config runs here without Hydra's command line (tests/mpi)."""
     from nemo_dcr_callback import launcher
 
-    le = launcher.setup()  # torchrun's variables, whoever launched us: env:// reads those
+    try:
+        le = launcher.setup()  # torchrun's variables, whoever launched us: env:// reads those
+    except launcher.LaunchError as exc:  # before any process group waits on a rank that never comes
+        raise SystemExit(f"nemo-dcr train: {exc}") from None
     warnings.filterwarnings("ignore", module="megatron")
     import lightning.pytorch as L
     import torch
