@@ -58,9 +58,18 @@ $(MPI_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e ".[dev,mpi]" "$(TORCH)"
 	touch $@
 
-test-mpi: $(MPI_STAMP)
+# MPICH (Hydra's PMI_* variables) from its own wheel, in its own environment: both wheels
+# install an mpiexec. Only its launcher is used; the ranks run .venv's python.
+MPICH_VENV := .venv-mpich
+$(MPICH_VENV)/.setup-done:
+	test -x $(MPICH_VENV)/bin/python || $(PYTHON) -m venv $(MPICH_VENV)
+	$(MPICH_VENV)/bin/pip install -q "mpich==5.0.2"
+	touch $@
+
+test-mpi: $(MPI_STAMP) $(MPICH_VENV)/.setup-done
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=$(CURDIR)/$(BIN):$$PATH \
 		$(BIN)/mpirun -n 4 --oversubscribe $(BIN)/python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi
+	NEMO_DCR_MPICH_MPIEXEC=$(CURDIR)/$(MPICH_VENV)/bin/mpiexec $(BIN)/python -m pytest -q tests/test_mpich.py
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement
@@ -110,5 +119,5 @@ wheel-smoke: setup
 	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
 	rm -f nemo_dcr_callback/_lib/*.so nemo_dcr_callback/_lib/BUILD.json
