@@ -75,6 +75,24 @@ def _patch(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------- fp8-init
+def _fp8_init_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bf16", help="the BF16 checkpoint the receiver starts from (a file or a directory)")
+    p.add_argument("-o", "--output", required=True, help="the FP8 checkpoint directory to write (new or empty)")
+    p.add_argument("--recipe", default="vllm", help="the serving engine's per-block cast: vllm (default), ue8m0, "
+                                                    "deepgemm-v1 (core/fp8.py)")
+    p.add_argument("--version", type=int, default=0, help="the version the BF16 checkpoint is")
+
+
+def _fp8_init(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.receiver.targets.fp8_dir import convert
+
+    info = convert(args.bf16, args.output, recipe=args.recipe, version=args.version)
+    print(f"wrote {args.output}: {info['quantized']} weights in block FP8 ({info['params']:,} parameters, "
+          f"recipe {args.recipe}), BF16 shadow in .nemo-dcr/, version {args.version}")
+    return 0
+
+
 # ----------------------------------------------------------------------- stats
 def _stats_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("delta")
@@ -96,4 +114,6 @@ COMMANDS = (
     Command("diff", "write the delta between two checkpoints", _diff, _diff_arguments),
     Command("patch", "apply a delta to BASE, writing OUT (BASE is never modified)", _patch, _patch_arguments),
     Command("stats", "describe a delta file", _stats, _stats_arguments),
+    Command("fp8-init", "make a block-FP8 checkpoint directory (with its BF16 shadow) that receive --fp8-dir follows",
+            _fp8_init, _fp8_init_arguments),
 )

@@ -26,6 +26,9 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
                         "{local_rank} take the launcher's (srun, mpirun, torchrun): a fleet in one command")
     p.add_argument("--hf-model", default=None, help="model directory to load (default: the store's keyframe)")
     p.add_argument("--model-dir", default=None, help="instead: a checkpoint directory to patch in place")
+    p.add_argument("--fp8-dir", default=None,
+                   help="instead: a block-FP8 checkpoint directory (nemo-dcr fp8-init) kept equal to the dense "
+                        "FP8 cast of each version, requantizing only the blocks that changed")
     p.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
     p.add_argument("--until", type=int, default=None, help="stop after this version")
     p.add_argument("--verify", action="store_true", help="compare each version with its dense export")
@@ -67,8 +70,11 @@ def _receive(args: argparse.Namespace) -> int:
         from nemo_dcr_callback.launcher import receiver_id
 
         args.id = receiver_id(args.id)
-    if args.model_dir:
-        return run_receive_dir(args.store, args.model_dir, args.follow, args.until, args.timeout,
+    if args.model_dir or args.fp8_dir:
+        if args.model_dir and args.fp8_dir:
+            raise ValueError("give --model-dir or --fp8-dir, not both")
+        return run_receive_dir(args.store, args.model_dir or args.fp8_dir, args.follow, args.until, args.timeout,
+                               fp8=bool(args.fp8_dir),
                                receiver_id=args.id, fetch_lanes=args.fetch_lanes,
                                idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
     return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,

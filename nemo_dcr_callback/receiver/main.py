@@ -130,13 +130,15 @@ def _follow(f: Follower, follow: bool, until: int | None, timeout: float, on_app
 
 def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, timeout: float,
                     receiver_id: str | None = None, fetch_lanes: int = FETCH_LANES,
-                    idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
-    """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget)."""
+                    idle_poll_s: float = 0.1, json_lines: bool = False, fp8: bool = False) -> int:
+    """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget);
+    fp8: a block-FP8 directory, requantized where a version changed it (targets/fp8_dir.py)."""
     from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
+    from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
 
     cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
     store = open_store(url)
-    target = CheckpointDirTarget(model_dir)
+    target = (Fp8DirTarget if fp8 else CheckpointDirTarget)(model_dir)
     f = Follower(store, target, version=target.version, config=cfg)
     freeze_long_lived()
     _emit(json_lines, f"receiver: {model_dir} holds version {target.version}", event="ready",

@@ -59,10 +59,14 @@ class CheckpointDirTarget:
     def flat(self, name: str) -> torch.Tensor:
         return self.tensor(name).view(-1)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def _loc(self, name: str):
+        """(safetensors file, its entry for name, open file, map): where a tensor's bytes are."""
         sf = self.where[name]
-        e = sf.entries[name]
-        _, mm = self._maps[self._file_of[name]]
+        f, mm = self._maps[self._file_of[name]]
+        return sf, sf.entries[name], f, mm
+
+    def tensor(self, name: str) -> torch.Tensor:
+        sf, e, _, mm = self._loc(name)
         info = codec.dtype_info(e.dtype)
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin, offset=sf.data_offset + e.begin)
         return raw.view(info.torch)
@@ -88,7 +92,7 @@ class CheckpointDirTarget:
         in memory; per tensor, the digest terms of the touched elements before and after."""
         if version is None:
             raise ValueError("CheckpointDirTarget.apply needs the version (for its redo log)")
-        records = Journal.records(self.flat, decoded)  # new bits, from the file's current bits
+        records = self._records(decoded)
         redo = f"redo-{version:010d}.pt"
         with open(self.meta / redo, "wb") as f:
             torch.save(records, f)
@@ -100,6 +104,11 @@ class CheckpointDirTarget:
         (self.meta / redo).unlink(missing_ok=True)
         self.version = version
         return terms
+
+    def _records(self, decoded: list[codec.DecodedChunk]) -> list:
+        """What the redo log holds: the new bits at every changed position, from the file's
+        current bits (a subclass adds what follows from them: fp8_dir.py)."""
+        return Journal.records(self.flat, decoded)
 
     def _replay(self, redo_path) -> None:
         self._overwrite(torch.load(redo_path, weights_only=True))
@@ -128,8 +137,7 @@ class CheckpointDirTarget:
             return digest.scatter_terms(flat, pos, new, OP_OVERWRITE)
         span = flat[lo:hi].clone()
         terms = digest.scatter_terms(span, pos, new, OP_OVERWRITE, offset=lo)
-        sf, e = self.where[name], self.where[name].entries[name]
-        f, _ = self._maps[self._file_of[name]]
+        sf, e, f, _ = self._loc(name)
         data = span.view(torch.uint8).numpy()
         off = sf.data_offset + e.begin + lo * span.element_size()
         while data.size:  # (pwrite may write less than asked)

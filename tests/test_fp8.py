@@ -1,0 +1,199 @@
+"""Issue 37: block-FP8 serving weights kept bit-exact by sparse requantization.
+
+The quantizer against the serving engines' per-block cast (vLLM's per_block_cast_to_fp8, with
+and without ue8m0, and DeepGEMM's first reference), rewritten here from their published
+formula as the oracle. Then an FP8 checkpoint directory following BF16 versions: after each,
+its FP8 bytes and scales equal the dense cast of the dense BF16 weights (the oracle: the
+sender's states, quantized whole), a damaged version leaves every file as it was, and a
+crash mid-apply is completed on reopen."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from conftest import perturb
+from safetensors.torch import load_file, save_file
+from test_follow import _publish
+
+from nemo_dcr_callback.core import fp8
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget, convert
+from nemo_dcr_callback.transport.store import FileStore
+
+
+def engine_cast(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engines' dense per-block cast, as published (vLLM utils/deep_gemm.py; DeepGEMM)."""
+    m, n = x.shape
+    mp, np_ = -(-m // 128) * 128, -(-n // 128) * 128
+    xp = torch.zeros((mp, np_), dtype=x.dtype)
+    xp[:m, :n] = x
+    xv = xp.view(-1, 128, np_ // 128, 128)
+    amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    if recipe == "deepgemm-v1":
+        q, sf = (xv * (448.0 / amax)).to(torch.float8_e4m3fn), amax / 448.0
+    else:
+        sf = amax / 448.0
+        if recipe == "ue8m0":
+            sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+        q = (xv * (1.0 / sf)).to(torch.float8_e4m3fn)
+    return q.view_as(xp)[:m, :n].contiguous(), sf.view(xv.size(0), xv.size(2))
+
+
+def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("shape", [(128, 128), (300, 520), (64, 1000), (257, 129)])
+def test_quantizer_equals_the_engines_cast(recipe, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 0.03).to(torch.bfloat16)
+    x[:10, :10] = 0  # an all-zero corner (clamped amax) where the block is small
+    x.view(-1)[7] = 300.0  # a large value: that block's scale
+    q, s = fp8.quantize(x, recipe)
+    rq, rs = engine_cast(x, recipe)
+    assert _same_fp8(q, rq) and torch.equal(s, rs)
+    zero = torch.zeros(130, 130, dtype=torch.bfloat16)
+    assert _same_fp8(fp8.quantize(zero, recipe)[0], engine_cast(zero, recipe)[0])
+
+
+LAYOUT = {"model.embed_tokens.weight": (320, 96), "model.layers.0.self_attn.q_proj.weight": (256, 320),
+          "model.layers.0.mlp.down_proj.weight": (320, 300), "model.layers.0.mlp.gate_proj.weight": (300, 320),
+          "model.layers.0.input_layernorm.weight": (320,), "lm_head.weight": (96, 320)}
+
+
+def _adam_like(t: torch.Tensor, rate: float, g: torch.Generator) -> torch.Tensor:
+    """About `rate` of the values moved by a small relative step, as an optimizer step does."""
+    x = t.float()
+    m = torch.rand(t.shape, generator=g) < rate
+    x[m] *= 1 + 0.02 * torch.randn(int(m.sum()), generator=g)
+    return x.to(torch.bfloat16)
+
+
+def _states(versions: int, rate: float = 0.03, specials: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Small optimizer-like steps, or (specials) perturb()'s arbitrary bit patterns: NaN, inf,
+    huge values, whole blocks whose scale changes."""
+    g = torch.Generator().manual_seed(3)
+    s0 = {k: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for k, shape in LAYOUT.items()}
+    out = [s0]
+    for _ in range(versions):
+        out.append({k: (perturb(t, rate, g) if specials else _adam_like(t, rate, g)) for k, t in out[-1].items()})
+    return out
+
+
+def _fp8_dir(tmp_path, state, recipe="vllm"):
+    src = tmp_path / "bf16"
+    src.mkdir()
+    save_file(state, str(src / "model.safetensors"))
+    out = tmp_path / "fp8"
+    info = convert(src, out, recipe=recipe)
+    assert info["quantized"] == 3  # q_proj, down_proj, gate_proj: not embeddings, norms, lm_head
+    return out
+
+
+def _holds(d, state, recipe) -> list[str]:
+    """The names whose FP8 bytes, scales (or plain bits) differ from the dense cast of state."""
+    got = load_file(str(d / "model.safetensors"))
+    shadow = load_file(str(d / ".nemo-dcr" / "shadow.safetensors"))
+    bad = []
+    for name, t in state.items():
+        if name in shadow:
+            q, s = fp8.quantize(t, recipe)
+            if not (_same_fp8(got[name], q) and torch.equal(bits(got[name + "_scale_inv"]), bits(s))
+                    and torch.equal(bits(shadow[name]), bits(t))):
+                bad.append(name)
+        elif not torch.equal(bits(got[name]), bits(t)):
+            bad.append(name)
+    return bad
+
+
+def _tree(d) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("recipe,specials", [("vllm", False), ("ue8m0", False), ("vllm", True)])
+def test_fp8_dir_follows_versions_bit_exact_with_the_dense_cast(tmp_path, recipe, specials):
+    store = FileStore(tmp_path / "store")
+    states = _states(4, specials=specials)
+    d = _fp8_dir(tmp_path, states[0], recipe)
+    t = Fp8DirTarget(d)
+    for v in range(1, 5):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+        Follower(store, t, version=t.version).apply_version(v)
+        assert t.version == v and _holds(d, states[v], recipe) == []
+    t.close()
+
+
+def test_a_damaged_version_leaves_the_fp8_files_untouched(tmp_path):
+    from nemo_dcr_callback import codec
+    from nemo_dcr_callback.protocol import commit
+
+    store = FileStore(tmp_path / "store")
+    states = _states(1)
+    d = _fp8_dir(tmp_path, states[0])
+    _publish(store, 1, 0, states[0], states[1])
+    part = next(k for k in store.list(commit.vdir(1)) if k.endswith(".dcr"))
+    blob = bytearray(store.get(part))
+    blob[len(blob) // 2] ^= 0x40
+    store.delete([part])
+    store.put(part, bytes(blob))
+    before = _tree(d)
+    t = Fp8DirTarget(d)
+    with pytest.raises(codec.ChunkError):
+        Follower(store, t, version=t.version).apply_version(1, wait_decision=False)
+    t.close()
+    assert _tree(d) == before
+
+
+def test_a_crash_mid_apply_is_completed_on_reopen(tmp_path):
+    store = FileStore(tmp_path / "store")
+    states = _states(2)
+    d = _fp8_dir(tmp_path, states[0])
+    for v in (1, 2):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+    t = Fp8DirTarget(d)
+    Follower(store, t, version=t.version).apply_version(1)
+    writes = []
+
+    def crash():
+        writes.append(1)
+        if len(writes) == 8:  # past the 6 BF16 records: inside the FP8 bytes and scales
+            raise KeyboardInterrupt("simulated crash between two writes")
+
+    t._crash_point = crash
+    with pytest.raises(KeyboardInterrupt):
+        Follower(store, t, version=t.version).apply_version(2)
+    t.close()
+    assert _holds(d, states[2], "vllm")  # really torn
+    t = Fp8DirTarget(d)  # reopen: the redo log completes version 2
+    assert t.version == 2
+    t.close()
+    assert _holds(d, states[2], "vllm") == []
+
+
+def test_cli_fp8_init_then_receive(tmp_path):
+    """The commands a user runs: fp8-init from the BF16 checkpoint, receive --fp8-dir."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "nemo-dcr")
+    store = FileStore(tmp_path / "store")
+    states = _states(2)
+    src = tmp_path / "bf16"
+    src.mkdir()
+    save_file(states[0], str(src / "model.safetensors"))
+    p = subprocess.run([exe, "fp8-init", str(src), "-o", str(tmp_path / "fp8")], capture_output=True, text=True)
+    assert p.returncode == 0 and "3 weights in block FP8" in p.stdout, p.stderr
+    p = subprocess.run([exe, "fp8-init", str(src), "-o", str(tmp_path / "fp8")], capture_output=True, text=True)
+    assert p.returncode == 2 and "not empty" in p.stderr  # never over an existing directory
+    for v in (1, 2):
+        _publish(store, v, v - 1, states[v - 1], states[v])
+    p = subprocess.run([exe, "receive", "--store", store.url, "--fp8-dir", str(tmp_path / "fp8")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "version 2 (base 1)" in p.stdout, p.stdout + p.stderr
+    assert _holds(tmp_path / "fp8", states[2], "vllm") == []
