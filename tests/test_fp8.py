@@ -115,10 +115,19 @@ def _tree(d) -> dict[str, str]:
             if p.is_file()}
 
 
-@pytest.mark.parametrize("recipe,specials", [("vllm", False), ("ue8m0", False), ("vllm", True)])
-def test_fp8_dir_follows_versions_bit_exact_with_the_dense_cast(tmp_path, recipe, specials):
+@pytest.mark.parametrize("recipe,specials,rate,path", [
+    ("vllm", False, 0.03, "auto"), ("ue8m0", False, 0.03, "auto"), ("deepgemm-v1", False, 0.03, "auto"),
+    ("vllm", True, 0.03, "auto"),
+    ("vllm", False, 0.03, "blocks"), ("vllm", True, 0.0002, "blocks"), ("vllm", False, 0.0002, "whole")])
+def test_fp8_dir_follows_versions_bit_exact_with_the_dense_cast(tmp_path, monkeypatch, recipe, specials, rate, path):
+    """Both ways of requantizing: touched blocks gathered and requantized alone ("blocks"),
+    or each touched weight whole ("whole"; "auto" picks by the share of blocks touched)."""
+    from nemo_dcr_callback.receiver.targets import fp8_dir
+
+    if path != "auto":
+        monkeypatch.setattr(fp8_dir, "DENSE_FROM", 1 if path == "blocks" else 10**9)
     store = FileStore(tmp_path / "store")
-    states = _states(4, specials=specials)
+    states = _states(4, rate, specials=specials)
     d = _fp8_dir(tmp_path, states[0], recipe)
     t = Fp8DirTarget(d)
     for v in range(1, 5):
