@@ -93,6 +93,22 @@ def _refit(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- fp8
+def _fp8_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rates", default="0.01,0.03,0.05", help="BF16 change rates, comma-separated")
+    p.add_argument("--repeats", type=positive, default=3, help="applies timed per pair (median)")
+    p.add_argument("--synthetic-only", action="store_true", help="skip the real-gradient pairs (a transformers Llama)")
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/fp8.json)")
+
+
+def _fp8(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import fp8
+
+    fp8.run(tuple(float(x) for x in args.rates.split(",")), args.repeats, real=not args.synthetic_only,
+            json_path=args.json)
+    return 0
+
+
 # --------------------------------------------------------------------- receive
 def _receive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=positive, default=1 << 25, help="synthetic BF16 parameters (default 32M)")
@@ -169,6 +185,8 @@ COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
             _refit_arguments),
     Command("receive", "a receiver's apply per version: state dict, the model's loader, a checkpoint dir", _receive,
             _receive_arguments),
+    Command("fp8", "block-FP8 receivers: blocks and bytes changed, shipped vs dense FP8, apply vs dense requantize",
+            _fp8, _fp8_arguments),
     Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,
             _relay_arguments),
     Command("cuda", "CUDA kernels: check vs the CPU reference, time vs a device copy (GPU)", _cuda, _cuda_arguments),
