@@ -71,6 +71,18 @@ class _Watch(TorchDispatchMode):
         self.copies = 0
         self.plain = True
         self.views: list[_View] = []  # where each plain copy put which part of the scratch
+        self.fills: list[torch.Tensor] = []  # model storage set to a constant
+
+    def overlapping_fill(self) -> bool:
+        """Does a constant fill touch bytes a copy writes (then the fill, run again at each
+        apply, would wipe what the copy's delta assumes is there)?"""
+        def span(t: torch.Tensor) -> tuple[int, int, int]:
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+            return _storage_key(t), t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+        fills = [span(f) for f in self.fills]
+        return any(k == fk and a < fb and fa < b for v in self.views for k, a, b in [span(v.dst)]
+                   for fk, fa, fb in fills)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,6 +96,11 @@ class _Watch(TorchDispatchMode):
                 else:
                     self.views.append(_View(src.storage_offset(), tuple(src.shape), tuple(src.stride()),
                                             src.is_contiguous(), dst))
+            elif func is torch.ops.aten.fill_.Scalar:
+                # a constant, the same at every load (vLLM zeroes a padded vocab's rows, or an
+                # empty slice past them): harmless unless it hits what a copy writes (_learn)
+                if dst.numel():
+                    self.fills.append(dst)
             else:
                 self.plain = False  # the loader writes model storage by some other op
             return dst  # a watch pass writes nothing
@@ -233,7 +250,7 @@ class LoaderTarget:
                 w = _Watch(self.storages, buf)
                 with w:
                     self.load_fn([(name, buf)])
-                plain[name] = w.plain and w.copies > 0
+                plain[name] = w.plain and w.copies > 0 and not w.overlapping_fill()
                 if plain[name]:
                     self._views[name] = w.views
         return plain

@@ -1,0 +1,1 @@
+"""Serving engines as receivers: each loads its adapter by name (vllm.py: DCRWorkerExtension)."""
