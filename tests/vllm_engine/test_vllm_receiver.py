@@ -48,9 +48,10 @@ def _states(tmp_path):
     return states, dirs
 
 
-def _engine(model_dir):
+def _engine(model_dir, max_model_len: int = 128):
     return vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                    max_model_len=128, worker_extension_cls=EXT, seed=0)
+                    max_model_len=max_model_len, worker_extension_cls=EXT, seed=0,
+                    gpu_memory_utilization=0.3)  # (on CPU: a share of RAM that two engines must fit in)
 
 
 def _generate(llm):
