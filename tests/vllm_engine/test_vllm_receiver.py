@@ -22,16 +22,29 @@ VERSIONS = 3
 PROMPTS = [{"prompt_token_ids": [1, 5, 9, 33, 2, 71]}, {"prompt_token_ids": [7, 7, 100, 3]}]
 
 
-def _states(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _states(tmp_path, family: str = "llama"):
+    """llama: untied embeddings, GQA; qwen2: QKV biases, tied embeddings, a vocabulary vLLM
+    pads (500 -> 512 rows, the padding zeroed by its loader)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    common = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=512, tie_word_embeddings=False, **common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=500, tie_word_embeddings=True, **common))
+    model = model.to(torch.bfloat16)
+    if family != "llama":
+        with torch.no_grad():  # (transformers initialises biases to zero: give them bits to change)
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.02)
     dirs = []
     g = torch.Generator().manual_seed(1)
-    states = [{k: v.clone() for k, v in model.state_dict().items()}]
+    # the canonical tensors are the checkpoint's (a tied lm_head is not one of them)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    states = [{k: v.clone() for k, v in model.state_dict().items() if k not in tied}]
     for v in range(VERSIONS + 1):
         if v:
             nxt = {}
@@ -41,7 +54,7 @@ def _states(tmp_path):
                 x[m] *= 1 + 0.05 * torch.randn(int(m.sum()), generator=g)
                 nxt[k] = x.to(torch.bfloat16)
             states.append(nxt)
-            model.load_state_dict(nxt)
+            model.load_state_dict(nxt, strict=not tied)
         d = tmp_path / f"v{v}"
         model.save_pretrained(d)
         dirs.append(d)
@@ -73,19 +86,20 @@ def _env(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def test_vllm_engine_follows_versions_bit_exact(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_vllm_engine_follows_versions_bit_exact(tmp_path, family):
     from test_follow import _publish
 
     from nemo_dcr_callback.transport.store import FileStore
 
-    states, dirs = _states(tmp_path)
+    states, dirs = _states(tmp_path, family)
     store = FileStore(tmp_path / "store")
     a = _engine(dirs[0])
     assert a.collective_rpc("dcr_attach", args=(store.url,)) == [0]
     for v in range(1, VERSIONS + 1):
         _publish(store, v, v - 1, states[v - 1], states[v])
         got = a.collective_rpc("dcr_update")[0]
-        assert got["version"] == v and got["applied"] == [v], got
+        assert got["version"] == v and got["applied"] == [v], got["refused"]
         a.reset_prefix_cache()
         b = _engine(dirs[v])
         pa, pb = a.collective_rpc("dcr_params")[0], b.collective_rpc("dcr_params")[0]
