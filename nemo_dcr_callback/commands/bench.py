@@ -93,6 +93,26 @@ def _refit(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------ vllm
+def _vllm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rates", default="0.01,0.03,0.05", help="change rates of the versions, in order")
+    p.add_argument("--hidden", type=positive, default=1024)
+    p.add_argument("--layers", type=positive, default=8)
+    p.add_argument("--vocab", type=positive, default=32000)
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/vllm.json)")
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed here: run it in .venv-vllm (make test-vllm builds it)")
+    from nemo_dcr_callback.bench import vllm
+
+    vllm.run(tuple(float(x) for x in args.rates.split(",")), args.hidden, args.layers, args.vocab, args.json)
+    return 0
+
+
 # ------------------------------------------------------------------------- fp8
 def _fp8_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.01,0.03,0.05", help="BF16 change rates, comma-separated")
@@ -185,6 +205,8 @@ COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
             _refit_arguments),
     Command("receive", "a receiver's apply per version: state dict, the model's loader, a checkpoint dir", _receive,
             _receive_arguments),
+    Command("vllm", "a vLLM engine refitted: DCR vs dense load_weights vs vLLM's own patches (in .venv-vllm)",
+            _vllm, _vllm_arguments),
     Command("fp8", "block-FP8 receivers: blocks and bytes changed, shipped vs dense FP8, apply vs dense requantize",
             _fp8, _fp8_arguments),
     Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,

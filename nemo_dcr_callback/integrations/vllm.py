@@ -23,6 +23,7 @@ are repacked (the `repack_s` of the result). GPUs keep their weights; nothing is
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,6 +83,17 @@ class DCRWorkerExtension:
                              f"copy: these cannot be updated in place")
         self._dcr = Follower(open_store(store_url), self._dcr_target, version=version, receiver_id=receiver_id)
         self._dcr_layers = self._linear_layers(model)
+        self._dcr_load_s = 0.0
+        apply = self._dcr_target.apply_with_terms
+
+        def timed(decoded):  # the in-place part of an update: what pauses the engine once
+            t0 = time.perf_counter()  # fetching and decoding run ahead of it
+            try:
+                return apply(decoded)
+            finally:
+                self._dcr_load_s += time.perf_counter() - t0
+
+        self._dcr_target.apply_with_terms = timed
         return version
 
     @staticmethod
@@ -100,6 +112,7 @@ class DCRWorkerExtension:
             raise RuntimeError("dcr_update before dcr_attach")
         until = None if until is None else int(until)
         t0, held, refused = time.perf_counter(), self._dcr.version, None
+        self._dcr_load_s = 0.0
         try:
             self._dcr.poll(until=until)
         except codec.ChunkError as exc:  # nothing of that version was applied: keep serving
@@ -107,8 +120,31 @@ class DCRWorkerExtension:
         apply_s = time.perf_counter() - t0
         applied = list(range(held + 1, self._dcr.version + 1))
         repack_s = self._repack(applied) if applied else 0.0
-        return {"version": self._dcr.version, "applied": applied, "apply_s": apply_s, "repack_s": repack_s,
-                "refused": refused}
+        return {"version": self._dcr.version, "applied": applied, "apply_s": apply_s, "load_s": self._dcr_load_s,
+                "fetch_decode_s": apply_s - self._dcr_load_s, "repack_s": repack_s, "refused": refused}
+
+    def dcr_reload_dense(self, model_dir: str, version: int | str) -> dict:
+        """Load every weight of a dense checkpoint in place through load_weights (a resync, e.g.
+        from a keyframe after the chain broke); the engine then holds `version`."""
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        weights = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.model_runner.model.load_weights(iter(sorted(weights.items())))
+        load_s = time.perf_counter() - t0
+        repack_s = self._repack([int(version)])
+        if hasattr(self, "_dcr"):  # follow on from there, the digests taken afresh (and checked)
+            f = self._dcr
+            f.version = int(version)
+            if f.digests is not None:
+                f.digests = {n: self._dcr_target.digest_of(n) for n in f.digests}
+                f._check_held()
+        return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 
     def _repack(self, versions: list[int]) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote."""

@@ -1,0 +1,115 @@
+"""A vLLM engine (the CPU build) refitted three ways, per version (issue 33): DCR (fetch,
+decode, then the in-place apply through the model's load_weights), a dense in-place reload of
+the same weights through load_weights, and vLLM's own load_checkpoint_weight_patches (NaN-masked
+sparse patches) on the same versions. On CPU vLLM repacks linear weights after each; that time
+is its own column (a GPU has none). Run in .venv-vllm (make test-vllm builds it):
+
+    .venv-vllm/bin/nemo-dcr bench vllm --json benchmarks/results/vllm.json
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nemo_dcr_callback.bench.results import machine, write_json
+
+EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
+
+
+def _vllm_patch(worker, patches: list[tuple]) -> dict:
+    """Worker side (collective_rpc): vLLM's own sparse patch path, then the CPU repack."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    ps = [CheckpointWeightPatch(n, shape, torch.bfloat16,
+                                torch.frombuffer(bytearray(vals), dtype=torch.int16).view(torch.bfloat16),
+                                torch.frombuffer(bytearray(idx), dtype=torch.int64))
+          for n, shape, vals, idx in patches]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        load_checkpoint_weight_patches(worker.model_runner.model, ps)
+    load_s = time.perf_counter() - t0
+    return {"load_s": load_s, "repack_s": worker._repack([])}
+
+
+def _model(tmp: Path, hidden: int, layers: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, vocab_size=vocab,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    d = tmp / "v0"
+    m.save_pretrained(d)
+    return {k: v.clone() for k, v in m.state_dict().items()}, d
+
+
+def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: int = 32000,
+        json_path: str | None = None) -> dict:
+    import vllm
+    from safetensors.torch import save_file
+
+    from nemo_dcr_callback.bench.fp8 import ulp_step
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from nemo_dcr_callback.transport.store import FileStore
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    rows = []
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        s0, d0 = _model(tmp, hidden, layers, vocab)
+        params = sum(t.numel() for t in s0.values())
+        print(f"vLLM {vllm.__version__}, Llama {params / 1e6:.0f}M parameters (hidden {hidden}, {layers} layers)",
+              flush=True)
+        llm = vllm.LLM(model=str(d0), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                       max_model_len=128, worker_extension_cls=EXT, gpu_memory_utilization=0.3)
+        store = FileStore(tmp / "store")
+        llm.collective_rpc("dcr_attach", args=(store.url,))
+        print(f"{'change':>6} {'fetch+decode':>12} {'DCR load':>9} {'dense load':>10} {'vLLM patches':>12} "
+              f"{'repack':>7} {'load/dense':>10} {'pause/dense':>11}", flush=True)
+        states = [s0]
+        for v, rate in enumerate(rates, start=1):
+            states.append(ulp_step(states[-1], rate, seed=v))
+            old, new = states[-2], states[-1]
+            s = TensorSender(old, 0, 1)
+            s.tensors = dict(new)
+            s.write(store, v, v - 1, s.take())
+            commit.run_commit(store, commit.seal_version(store, v, v - 1, 1, timeout=60), commit.CommitPolicy())
+            dcr = llm.collective_rpc("dcr_update")[0]
+            assert dcr["version"] == v and dcr["refused"] is None, dcr
+            dv = tmp / f"dense-{v}"
+            dv.mkdir()
+            save_file(new, str(dv / "model.safetensors"))
+            dense = llm.collective_rpc("dcr_reload_dense", args=(str(dv), v))[0]
+            patches = []
+            for n, t in new.items():
+                idx = torch.nonzero(t.view(torch.int16).reshape(-1) != old[n].view(torch.int16).reshape(-1)).reshape(-1)
+                # (raw bytes: vLLM's RPC encodes tensors as buffers that its pickle fallback refuses)
+                patches.append((n, tuple(t.shape), t.reshape(-1)[idx].view(torch.int16).numpy().tobytes(),
+                                idx.numpy().tobytes()))
+            vp = llm.collective_rpc(_vllm_patch, args=(patches,))[0]
+            row = {"version": v, "rate": rate, "params": params, "fetch_decode_s": dcr["fetch_decode_s"],
+                   "dcr_load_s": dcr["load_s"], "dcr_repack_s": dcr["repack_s"], "dense_read_s": dense["read_s"],
+                   "dense_load_s": dense["load_s"], "dense_repack_s": dense["repack_s"],
+                   "vllm_patch_load_s": vp["load_s"], "vllm_patch_repack_s": vp["repack_s"],
+                   "load_vs_dense": dcr["load_s"] / dense["load_s"],
+                   "pause_vs_dense": (dcr["load_s"] + dcr["repack_s"]) / (dense["load_s"] + dense["repack_s"])}
+            rows.append(row)
+            print(f"{100 * rate:5.0f}% {row['fetch_decode_s']:11.3f}s {row['dcr_load_s']:8.3f}s "
+                  f"{row['dense_load_s']:9.3f}s {row['vllm_patch_load_s']:11.3f}s {row['dcr_repack_s']:6.3f}s "
+                  f"{row['load_vs_dense']:10.2f} {row['pause_vs_dense']:11.2f}", flush=True)
+        del llm
+    res = {"rows": rows, "vllm": vllm.__version__, "machine": machine()}
+    if json_path:
+        write_json(json_path, res)
+    return res
