@@ -36,7 +36,7 @@ def _vllm_patch(worker, patches: list[tuple]) -> dict:
     with torch.no_grad():
         load_checkpoint_weight_patches(worker.model_runner.model, ps)
     load_s = time.perf_counter() - t0
-    return {"load_s": load_s, "repack_s": worker._repack([])}
+    return {"load_s": load_s, "repack_s": worker._repack({p.name for p in ps})}
 
 
 def _model(tmp: Path, hidden: int, layers: int, vocab: int):
@@ -72,7 +72,7 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
         print(f"vLLM {vllm.__version__}, Llama {params / 1e6:.0f}M parameters (hidden {hidden}, {layers} layers)",
               flush=True)
         llm = vllm.LLM(model=str(d0), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                       max_model_len=128, worker_extension_cls=EXT, gpu_memory_utilization=0.3)
+                       max_model_len=128, worker_extension_cls=EXT, gpu_memory_utilization=0.1)
         store = FileStore(tmp / "store")
         llm.collective_rpc("dcr_attach", args=(store.url,))
         print(f"{'change':>6} {'fetch+decode':>12} {'DCR load':>9} {'dense load':>10} {'vLLM patches':>12} "
@@ -108,7 +108,7 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
             print(f"{100 * rate:5.0f}% {row['fetch_decode_s']:11.3f}s {row['dcr_load_s']:8.3f}s "
                   f"{row['dense_load_s']:9.3f}s {row['vllm_patch_load_s']:11.3f}s {row['dcr_repack_s']:6.3f}s "
                   f"{row['load_vs_dense']:10.2f} {row['pause_vs_dense']:11.2f}", flush=True)
-        del llm
+        llm.llm_engine.engine_core.shutdown()
     res = {"rows": rows, "vllm": vllm.__version__, "machine": machine()}
     if json_path:
         write_json(json_path, res)

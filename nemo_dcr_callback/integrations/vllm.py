@@ -84,10 +84,12 @@ class DCRWorkerExtension:
         self._dcr = Follower(open_store(store_url), self._dcr_target, version=version, receiver_id=receiver_id)
         self._dcr_layers = self._linear_layers(model)
         self._dcr_load_s = 0.0
+        self._dcr_changed: set[str] = set()
         apply = self._dcr_target.apply_with_terms
 
         def timed(decoded):  # the in-place part of an update: what pauses the engine once
             t0 = time.perf_counter()  # fetching and decoding run ahead of it
+            self._dcr_changed.update(d.header.name for d in decoded)
             try:
                 return apply(decoded)
             finally:
@@ -113,13 +115,14 @@ class DCRWorkerExtension:
         until = None if until is None else int(until)
         t0, held, refused = time.perf_counter(), self._dcr.version, None
         self._dcr_load_s = 0.0
+        self._dcr_changed = set()
         try:
             self._dcr.poll(until=until)
         except codec.ChunkError as exc:  # nothing of that version was applied: keep serving
             refused = str(exc)
         apply_s = time.perf_counter() - t0
         applied = list(range(held + 1, self._dcr.version + 1))
-        repack_s = self._repack(applied) if applied else 0.0
+        repack_s = self._repack(self._dcr_changed) if applied else 0.0
         return {"version": self._dcr.version, "applied": applied, "apply_s": apply_s, "load_s": self._dcr_load_s,
                 "fetch_decode_s": apply_s - self._dcr_load_s, "repack_s": repack_s, "refused": refused}
 
@@ -137,7 +140,7 @@ class DCRWorkerExtension:
         with torch.no_grad():
             self.model_runner.model.load_weights(iter(sorted(weights.items())))
         load_s = time.perf_counter() - t0
-        repack_s = self._repack([int(version)])
+        repack_s = self._repack(None)
         if hasattr(self, "_dcr"):  # follow on from there, the digests taken afresh (and checked)
             f = self._dcr
             f.version = int(version)
@@ -146,14 +149,19 @@ class DCRWorkerExtension:
                 f._check_held()
         return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 
-    def _repack(self, versions: list[int]) -> float:
-        """CPU only: rebuild the packed GEMM weights of the layers the apply wrote."""
+    def _repack(self, names: set[str] | None) -> float:
+        """CPU only: rebuild the packed GEMM weights of the layers the apply wrote (names: the
+        canonical tensors changed; None: every layer)."""
         if not self._dcr_layers:
             return 0.0
         from vllm.model_executor.layers import utils
 
+        layers = self._dcr_layers.values()
+        if names is not None and hasattr(self, "_dcr_target"):  # where the loader put each tensor
+            keys = {v.dst.untyped_storage().data_ptr() for n in names for v in self._dcr_target._views.get(n, [])}
+            layers = [m for k, m in self._dcr_layers.items() if k in keys]
         t0 = time.perf_counter()
-        for m in self._dcr_layers.values():  # (which layers changed is not tracked yet: all are)
+        for m in layers:
             utils._dcr_dispatch(m, remove_weight=False)
         return time.perf_counter() - t0
 
