@@ -130,3 +130,33 @@ def test_a_corrupt_version_is_refused_and_the_engine_keeps_serving(tmp_path):
     assert a.collective_rpc("dcr_params")[0] == before  # untouched
     assert _generate(a) == gen  # and serving
     _shutdown(a)
+
+
+def test_the_engine_acks_into_the_joint_commit(tmp_path):
+    """With a receiver id, the engine registers, acks each version it fetched and verified,
+    and applies it once the committer (here waiting for exactly this receiver) decides."""
+    import threading
+
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from nemo_dcr_callback.transport.store import FileStore
+
+    states, dirs = _states(tmp_path)
+    store = FileStore(tmp_path / "store")
+    a = _engine(dirs[0])
+    a.collective_rpc("dcr_attach", args=(store.url,), kwargs={"receiver_id": "vllm-0"})
+    assert "vllm-0" in commit.receivers(store)
+    s = TensorSender(states[0], 0, 1)
+    s.tensors = dict(states[1])
+    s.write(store, 1, 0, s.take())
+    rec = commit.seal_version(store, 1, 0, 1, timeout=60)  # (dcr_update takes what is sealed when called)
+    decided = {}
+    t = threading.Thread(target=lambda: decided.update(commit.run_commit(
+        store, rec, commit.CommitPolicy("wait", 120), expected=["vllm-0"])))
+    t.start()
+    got = a.collective_rpc("dcr_update")[0]
+    t.join(150)
+    assert decided.get("decision") == "commit" and decided["acked"] == ["vllm-0"], decided
+    assert got["version"] == 1 and got["applied"] == [1], got
+    assert commit.read_acks(store, 1)["vllm-0"]["ok"]
+    _shutdown(a)
