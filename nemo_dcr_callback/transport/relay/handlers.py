@@ -13,6 +13,7 @@ from aiohttp import web
 from nemo_dcr_callback.protocol import keys, records
 from nemo_dcr_callback.transport.relay.cache import VerifyError, verify_object
 from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, LENGTH_HEADER, OBJECT_ROUTE
+from nemo_dcr_callback.transport.store import ImmutableError, put_once
 
 OBJECT_PATH = OBJECT_ROUTE + "{key:.+}"
 
@@ -39,21 +40,21 @@ def _receiver_record_error(own: tuple[str, str, int | None], key: str, data: byt
     return None
 
 
-async def _read_body(request: web.Request, n: int | None, limit: int) -> bytearray | str:
+async def _read_body(request: web.Request, n: int | None, limit: int) -> bytearray | tuple[int, str]:
     """The body, read as it arrives into one buffer of its announced size (no chunk list, no
-    joined copy: a 900 MB PUT takes 900 MB), or why it is refused."""
+    joined copy: a 900 MB PUT takes 900 MB), or (HTTP status, why) it is refused."""
     buf = bytearray(n) if n is not None else bytearray()
     got = 0
     async for piece in request.content.iter_any():
         if n is None:
             if got + len(piece) > limit:
-                return f"larger than the {limit} bytes allowed"
+                return 413, f"larger than the {limit} bytes allowed"
             buf += piece
         else:
             buf[got:got + len(piece)] = piece
         got += len(piece)
     if n is not None and got != n:
-        return f"the body ended after {got} of its {n} bytes"
+        return 400, f"the body ended after {got} of its {n} bytes"
     return buf
 
 
@@ -208,8 +209,8 @@ class HttpSide:
             except TimeoutError:
                 return web.json_response({"error": f"body of {key} not complete in "
                                                    f"{self.cfg.body_timeout_s:.0f} s"}, status=408)
-            if isinstance(data, str):
-                return web.json_response({"error": f"refused {key}: {data}"}, status=413 if "larger" in data else 400)
+            if isinstance(data, tuple):
+                return web.json_response({"error": f"refused {key}: {data[1]}"}, status=data[0])
             return await self._put(request, key, own, data)
         finally:
             await self._uploads.release(need)
@@ -241,11 +242,12 @@ class HttpSide:
                     return web.json_response({"created": False}, status=412)
             elif keys.is_committed(key):
                 # history is create-only: the same bytes again (a retry) stand, others are refused
-                if not await self._up(self.parent.put_if_absent, key, data):
-                    if await self._up(self.parent.get, key) != data:
-                        self.stats["rejected"] += 1
-                        return web.json_response({"error": f"{key} is committed and immutable: not replaced"},
-                                                 status=409)
+                try:
+                    await self._up(put_once, self.parent, key, data)
+                except ImmutableError:
+                    self.stats["rejected"] += 1
+                    return web.json_response({"error": f"{key} is committed and immutable: not replaced"},
+                                             status=409)
             else:
                 try:
                     await self._up(self.parent.put, key, data)
