@@ -17,7 +17,7 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.bitops import bits
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
-from nemo_dcr_callback.testing.tensor_sender import TensorSender
+from nemo_dcr_callback.testing.tensor_sender import TensorSender, publish
 from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
 
 
@@ -28,13 +28,7 @@ def _model(seed=0):
 
 def _publish(store, v, base, old, new, world=2):
     """Two sender ranks (TensorSender: the real sender path, without Megatron), seal, commit."""
-    for r in range(world):
-        s = TensorSender(old, r, world)
-        for n in s.tensors:
-            s.tensors[n] = new[n]
-        s.write(store, v, base, s.take())
-    rec = commit.seal_version(store, v, base, world, timeout=5)
-    return commit.run_commit(store, rec, commit.CommitPolicy())
+    return publish(store, v, base, old, new, world=world, timeout=5)
 
 
 def _chain(store, steps=3):

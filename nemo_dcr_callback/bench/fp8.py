@@ -146,7 +146,7 @@ def measure(old: dict, new: dict, workdir: Path, repeats: int = 3, recipe: str =
     from nemo_dcr_callback.protocol import commit
     from nemo_dcr_callback.receiver import Follower
     from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget, convert
-    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from nemo_dcr_callback.testing.tensor_sender import publish
     from nemo_dcr_callback.transport.store import FileStore
 
     params = sum(t.numel() for t in old.values())
@@ -164,10 +164,7 @@ def measure(old: dict, new: dict, workdir: Path, repeats: int = 3, recipe: str =
                                          .numpy().tobytes())) for n in old) + 8 * scales_changed
     dense_fp8_bytes = params + 4 * blocks
     store = FileStore(workdir / "store")
-    s = TensorSender(old, 0, 1)
-    s.tensors = dict(new)
-    s.write(store, 1, 0, s.take())
-    commit.run_commit(store, commit.seal_version(store, 1, 0, 1, timeout=30), commit.CommitPolicy())
+    publish(store, 1, 0, old, new)
     version_bytes = sum(len(store.get(k)) for k in store.list(commit.vdir(1)))
     payload_bytes = sum(len(store.get(k)) for k in store.list(commit.vdir(1)) if k.endswith(".dcr"))
     src = workdir / "bf16"

@@ -92,3 +92,19 @@ class TensorSender:
         for n, d in reversed(self._undo if taken is None else taken):
             undo(self.baselines[n], d)
         self._undo = [] if ids is None else [(n, d) for n, d in self._undo if id(d) not in ids]
+
+
+def publish(store, v: int, base: int, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int = 1,
+            timeout: float = 60.0, **write_options) -> dict:
+    """One version old -> new through the real sender path: `world` TensorSenders write their
+    share, the version is sealed and committed (the default policy: no receivers awaited).
+    Returns the decision."""
+    from nemo_dcr_callback.protocol import commit
+
+    for r in range(world):
+        s = TensorSender(old, r, world)
+        for n in s.tensors:
+            s.tensors[n] = new[n]
+        s.write(store, v, base, s.take(), **write_options)
+    rec = commit.seal_version(store, v, base, world, timeout=timeout)
+    return commit.run_commit(store, rec, commit.CommitPolicy())
