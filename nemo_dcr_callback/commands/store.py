@@ -29,6 +29,14 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-dir", default=None,
                    help="instead: a block-FP8 checkpoint directory (nemo-dcr fp8-init) kept equal to the dense "
                         "FP8 cast of each version, requantizing only the blocks that changed")
+    p.add_argument("--vllm", default=None, metavar="MODEL_DIR",
+                   help="instead: serve MODEL_DIR with vLLM's OpenAI server (vllm serve) and keep it on the newest "
+                        "committed version (needs vLLM installed: the [vllm] extra; follows until --until or stopped)")
+    p.add_argument("--version", type=int, default=0, help="with --vllm: the version MODEL_DIR holds")
+    p.add_argument("--host", default="127.0.0.1", help="with --vllm: the server's address")
+    p.add_argument("--port", type=int, default=8000, help="with --vllm: the server's port")
+    p.add_argument("--vllm-args", default="",
+                   help="with --vllm: more arguments for vllm serve, one string (e.g. \"--tensor-parallel-size 2\")")
     p.add_argument("--follow", action="store_true", help="keep applying versions as they are sealed")
     p.add_argument("--until", type=int, default=None, help="stop after this version")
     p.add_argument("--verify", action="store_true", help="compare each version with its dense export")
@@ -70,9 +78,17 @@ def _receive(args: argparse.Namespace) -> int:
         from nemo_dcr_callback.launcher import receiver_id
 
         args.id = receiver_id(args.id)
+    if sum(bool(x) for x in (args.model_dir, args.fp8_dir, args.vllm, args.hf_model)) > 1:
+        raise ValueError("give one of --hf-model, --model-dir, --fp8-dir and --vllm")
+    if args.vllm:
+        import shlex
+
+        from nemo_dcr_callback.integrations import vllm_serve
+
+        return vllm_serve.run(args.store, args.vllm, receiver_id=args.id, version=args.version, host=args.host,
+                              port=args.port, vllm_args=shlex.split(args.vllm_args), until=args.until,
+                              poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
     if args.model_dir or args.fp8_dir:
-        if args.model_dir and args.fp8_dir:
-            raise ValueError("give --model-dir or --fp8-dir, not both")
         return run_receive_dir(args.store, args.model_dir or args.fp8_dir, args.follow, args.until, args.timeout,
                                fp8=bool(args.fp8_dir),
                                receiver_id=args.id, fetch_lanes=args.fetch_lanes,

@@ -4,20 +4,28 @@
 store through `collective_rpc`:
 
     llm.collective_rpc("dcr_attach", args=("file:///shared/dcr",), kwargs={"receiver_id": "rollout-0"})
-    llm.collective_rpc("dcr_update")      # applies every committed version, returns the version held
+    llm.collective_rpc("dcr_update")      # applies every version sealed now; returns what it did
     llm.reset_prefix_cache()              # cached KV of the old weights must go
 
-A version is fetched, verified and decoded first; then the model's own `load_weights` places
-every change in place (LoaderTarget: under a dispatch mode its copies become the chunks'
-operation, so vLLM's fused qkv_proj/gate_up_proj, its TP shards and padded vocab are its own
-doing). A refused version changes nothing. The call runs between engine steps, so the engine
-pauses only for it.
+After `dcr_attach` a thread in each worker lists the store, fetches, verifies and decodes the
+next versions, acks them and waits for the joint commit while the engine keeps generating
+(receiver/background.py). `dcr_update` runs in the engine's loop between two steps (that is
+where vLLM runs collective_rpc), so the engine pauses only for the apply: the model's own
+`load_weights` places every change in place (LoaderTarget: under a dispatch mode its copies
+become the chunks' operation, so vLLM's fused qkv_proj/gate_up_proj, its TP shards and padded
+vocab are its own doing). A refused version changes nothing.
+
+Digests: a tensor a worker holds whole is checked there; one that tensor parallelism shards is
+checked as the sum of the workers' partial digests over the TP group (each element counted by
+the lowest rank that holds it), one collective per apply.
 
 On CPU, vLLM repacks every linear weight for its GEMM kernels after loading and drops the
 weight (`dispatch_cpu_unquantized_gemm(remove_weight=True)`): there is then nothing to update
 in place. Importing this module (which vLLM does in each worker before the model loads)
 makes the CPU dispatch keep the weights, and after an apply the layers whose weights changed
 are repacked (the `repack_s` of the result). GPUs keep their weights; nothing is repacked.
+
+Arguments may come as strings: `vllm serve`'s /collective_rpc passes only strings.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.receiver.targets.loader import LoaderTarget
 
 _KEEP = "_dcr_keeps_cpu_weights"
 
@@ -60,43 +71,130 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtyp
     return {n: (torch.Size(ck.entry(n).shape), codec.dtype_info(ck.entry(n).dtype).torch) for n in ck.where}
 
 
+def _flag(x: bool | str) -> bool:
+    return x if isinstance(x, bool) else str(x).lower() in ("1", "true", "yes")
+
+
+class _Group:
+    """Sums over a process group (gloo, on the engine's thread only) for the digests."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+
+    def sum64(self, values: list[int]) -> list[int]:
+        """Per entry, the sum mod 2^64 over the group (in 32-bit halves: no overflow)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([[v & 0xFFFFFFFF, v >> 32] for v in values], dtype=torch.int64).reshape(-1, 2)
+        dist.all_reduce(t, group=self.group)
+        return [(int(lo) + (int(hi) << 32)) & digest.MASK for lo, hi in t.tolist()]
+
+    def max(self, value: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
+    def union(self, names: set[str]) -> set[str]:
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, sorted(names), group=self.group)
+        return set().union(*out)
+
+    def owned(self, held: torch.Tensor) -> torch.Tensor:
+        """Of the elements this rank holds, those no lower rank holds."""
+        import torch.distributed as dist
+
+        first = torch.where(held, self.rank, self.world).to(torch.int32)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
+        return first == self.rank
+
+
+class ShardedLoaderTarget(LoaderTarget):
+    """A LoaderTarget whose model may hold tensors in part (tensor parallelism): the digests of
+    those tensors are summed over the group (each worker runs the same applies, in order)."""
+
+    def __init__(self, model, load_fn, shapes, group: _Group | None = None, **kwargs):
+        super().__init__(model, load_fn, shapes, **kwargs)
+        self.group = group
+        self.summed: list[str] = []  # tensors some rank holds in part, digested over the group
+        self._owned: dict[str, torch.Tensor] = {}
+        self._summed_digest: dict[str, int] = {}
+        if group is not None and group.world > 1:
+            local = {n for n in self._views if n not in self._whole}
+            self.summed = sorted(group.union(local))
+            for n in self.summed:  # (every rank, the same order)
+                self._owned[n] = group.owned(self.held(n))
+            digests = group.sum64([self.partial_digest(n, self._owned[n]) for n in self.summed])
+            self._summed_digest = dict(zip(self.summed, digests, strict=True))
+
+    def digest_of(self, name: str) -> int | None:
+        if name in self._summed_digest:
+            return self._summed_digest[name]
+        return super().digest_of(name)
+
+    def apply_with_terms(self, decoded):
+        terms = super().apply_with_terms(decoded)
+        names = sorted({d.header.name for d in decoded} & set(self.summed))
+        if names:
+            after = self.group.sum64([self.partial_digest(n, self._owned[n]) for n in names])
+            for n, a in zip(names, after, strict=True):
+                terms[n] = (self._summed_digest[n], a)
+                self._summed_digest[n] = a
+        return terms
+
+
 class DCRWorkerExtension:
     """Methods vLLM adds to its Worker (self.model_runner.model is the live model)."""
 
+    def _dcr_group(self) -> _Group | None:
+        try:
+            from vllm.distributed.parallel_state import get_tp_group
+        except ImportError:
+            return None
+        tp = get_tp_group()
+        return _Group(tp.cpu_group, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
+
     def dcr_attach(self, store_url: str, receiver_id: str | None = None, version: int | str = 0,
-                   model_dir: str | None = None) -> int:
-        """Follow store_url from `version` (the version the engine was loaded with). Numbers
-        may come as strings (`vllm serve`'s /collective_rpc passes only strings); a relay's
-        token is read from NEMO_DCR_RELAY_TOKEN in the engine's environment, never passed."""
-        version = int(version)
-        from nemo_dcr_callback.receiver.follow import Follower
-        from nemo_dcr_callback.receiver.targets import LoaderTarget
+                   model_dir: str | None = None, idle_poll_s: float | str = 0.2) -> int:
+        """Follow store_url from `version` (the version the engine was loaded with): the held
+        weights are checked against that version's digests, then a background thread starts
+        readying the next versions. With tensor parallelism only the first rank registers and
+        acks (one engine, one receiver). A relay's token is read from NEMO_DCR_RELAY_TOKEN in
+        the engine's environment, never passed."""
         from nemo_dcr_callback.transport.store import open_store
 
+        self.dcr_detach()
+        version = int(version)
         model = self.model_runner.model
         model_dir = model_dir or self.model_runner.model_config.model
-        shapes = _checkpoint_shapes(model_dir)
-        self._dcr_target = LoaderTarget(model, model.load_weights, shapes)
-        refused = sorted(n for n, ok in self._dcr_target.plain.items() if not ok)
+        group = self._dcr_group()
+        target = ShardedLoaderTarget(model, model.load_weights, _checkpoint_shapes(model_dir), group)
+        refused = sorted(n for n, ok in target.plain.items() if not ok)
         if refused:
             raise ValueError(f"vLLM's loader does not copy {refused[0]!r} (and {len(refused) - 1} more) as a plain "
                              f"copy: these cannot be updated in place")
-        self._dcr = Follower(open_store(store_url), self._dcr_target, version=version, receiver_id=receiver_id)
+        self._dcr_target, self._dcr_group_ = target, group
         self._dcr_layers = self._linear_layers(model)
-        self._dcr_load_s = 0.0
-        self._dcr_changed: set[str] = set()
-        apply = self._dcr_target.apply_with_terms
-
-        def timed(decoded):  # the in-place part of an update: what pauses the engine once
-            t0 = time.perf_counter()  # fetching and decoding run ahead of it
-            self._dcr_changed.update(d.header.name for d in decoded)
-            try:
-                return apply(decoded)
-            finally:
-                self._dcr_load_s += time.perf_counter() - t0
-
-        self._dcr_target.apply_with_terms = timed
+        receiver_id = receiver_id or None  # ("" over HTTP)
+        self._dcr_args = (open_store(store_url), receiver_id if group is None or group.rank == 0 else None,
+                          float(idle_poll_s))
+        self._dcr_follow(version)
         return version
+
+    def _dcr_follow(self, version: int) -> None:
+        from nemo_dcr_callback.receiver.background import BackgroundFollower
+
+        store, rid, idle = self._dcr_args
+        self._dcr = BackgroundFollower(store, self._dcr_target, version, receiver_id=rid, idle_poll_s=idle)
+
+    def dcr_detach(self) -> None:
+        """Stop following (the weights stay as they are)."""
+        if getattr(self, "_dcr", None) is not None:
+            self._dcr.stop()
+            self._dcr = None
 
     @staticmethod
     def _linear_layers(model) -> dict[int, torch.nn.Module]:
@@ -105,32 +203,42 @@ class DCRWorkerExtension:
                 if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
                 for p in [m.weight]}
 
-    def dcr_update(self, until: int | str | None = None) -> dict:
-        """Apply every committed version after the one held (up to `until`); returns the
-        version held, the versions applied, the time the apply took and the repack's."""
-        from nemo_dcr_callback import codec
-
-        if not hasattr(self, "_dcr"):
+    def _dcr_follower(self):
+        if getattr(self, "_dcr", None) is None:
             raise RuntimeError("dcr_update before dcr_attach")
-        until = None if until is None else int(until)
-        t0, held, refused = time.perf_counter(), self._dcr.version, None
-        self._dcr_load_s = 0.0
-        self._dcr_changed = set()
-        try:
-            self._dcr.poll(until=until)
-        except codec.ChunkError as exc:  # nothing of that version was applied: keep serving
-            refused = str(exc)
-        apply_s = time.perf_counter() - t0
-        applied = list(range(held + 1, self._dcr.version + 1))
-        repack_s = self._repack(self._dcr_changed) if applied else 0.0
-        return {"version": self._dcr.version, "applied": applied, "apply_s": apply_s, "load_s": self._dcr_load_s,
-                "fetch_decode_s": apply_s - self._dcr_load_s, "repack_s": repack_s, "refused": refused}
+        return self._dcr
+
+    def dcr_update(self, until: int | str | None = None, wait: bool | str = True,
+                   timeout: float | str = 600.0) -> dict:
+        """Apply the versions readied in the background: with wait (default) every version
+        sealed now (or up to `until`) once it is decided, else only what is ready. Returns the
+        version held, the versions applied, the pause (load_s: the applies; repack_s: CPU
+        only), the background's fetch+verify+decode time and why a version was refused."""
+        bf = self._dcr_follower()
+        wait = _flag(wait)
+        until = None if until in (None, "", "None") else int(until)
+        if self._dcr_group_ is not None:  # every rank applies the same versions (the digests' sums)
+            if wait:  # what any rank waits for, all do
+                until = self._dcr_group_.max(until if until is not None else bf.sealed_after(bf.version))
+            else:  # what every rank has ready
+                until = -self._dcr_group_.max(-bf.ready_version())
+            wait = True
+        t0 = time.perf_counter()
+        up = bf.apply_ready(until=until, wait=wait, timeout=float(timeout))
+        repack_s = self._repack(up.changed) if up.applied else 0.0
+        return {"version": up.version, "applied": up.applied, "load_s": up.load_s, "repack_s": repack_s,
+                "pause_s": up.load_s + repack_s, "fetch_decode_s": up.fetch_s,
+                "call_s": time.perf_counter() - t0, "refused": up.refused}
 
     def dcr_reload_dense(self, model_dir: str, version: int | str) -> dict:
         """Load every weight of a dense checkpoint in place through load_weights (a resync, e.g.
-        from a keyframe after the chain broke); the engine then holds `version`."""
+        from a keyframe after the chain broke, and the benchmark's comparison); a follower then
+        goes on from `version`, the weights checked against its digests first (refused: the
+        engine follows nothing until a resync is accepted)."""
         from safetensors.torch import load_file
 
+        following = hasattr(self, "_dcr_args")  # attached once: follow on (also after a refused resync)
+        self.dcr_detach()
         t0 = time.perf_counter()
         weights = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
@@ -141,12 +249,12 @@ class DCRWorkerExtension:
             self.model_runner.model.load_weights(iter(sorted(weights.items())))
         load_s = time.perf_counter() - t0
         repack_s = self._repack(None)
-        if hasattr(self, "_dcr"):  # follow on from there, the digests taken afresh (and checked)
-            f = self._dcr
-            f.version = int(version)
-            if f.digests is not None:
-                f.digests = {n: self._dcr_target.digest_of(n) for n in f.digests}
-                f._check_held()
+        if following:
+            t = self._dcr_target
+            if t.summed:  # the partial digests taken afresh
+                sums = t.group.sum64([t.partial_digest(n, t._owned[n]) for n in t.summed])
+                t._summed_digest = dict(zip(t.summed, sums, strict=True))
+            self._dcr_follow(int(version))
         return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 
     def _repack(self, names: set[str] | None) -> float:
@@ -156,9 +264,9 @@ class DCRWorkerExtension:
             return 0.0
         from vllm.model_executor.layers import utils
 
-        layers = self._dcr_layers.values()
-        if names is not None and hasattr(self, "_dcr_target"):  # where the loader put each tensor
-            keys = {v.dst.untyped_storage().data_ptr() for n in names for v in self._dcr_target._views.get(n, [])}
+        layers = list(self._dcr_layers.values())
+        if names is not None:
+            keys = self._dcr_target.destinations(names)
             layers = [m for k, m in self._dcr_layers.items() if k in keys]
         t0 = time.perf_counter()
         for m in layers:
@@ -166,9 +274,14 @@ class DCRWorkerExtension:
         return time.perf_counter() - t0
 
     def dcr_version(self) -> int:
-        return self._dcr.version if hasattr(self, "_dcr") else -1
+        return self._dcr.version if getattr(self, "_dcr", None) is not None else -1
 
     def dcr_params(self) -> dict[str, bytes]:
         """Every parameter's raw bytes, in vLLM's own (fused, sharded) layout: for checks."""
         return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes()
                 for n, p in self.model_runner.model.named_parameters()}
+
+    def dcr_param_digests(self) -> dict[str, str]:
+        """Every parameter's digest (hex), in vLLM's layout: the same check over HTTP (`vllm
+        serve`'s /collective_rpc answers JSON)."""
+        return {n: digest.hexd(digest.sum64(p.detach())) for n, p in self.model_runner.model.named_parameters()}

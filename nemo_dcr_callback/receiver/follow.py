@@ -105,6 +105,8 @@ class Follower:
         self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
         self._parts: dict[int, Parts] = {}
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
+        # called with (version, error) at each refusal, also the ones acked and gone on from
+        self.on_refuse: Callable[[int, BaseException], None] | None = None
         self.max_refusals = 3
         self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_news)
         # what a relay's long-poll answer named as new since the last one (None: not known) and
@@ -430,12 +432,14 @@ class Follower:
                     out.append(self.apply_version(v, rec))
                 except _Aborted:
                     continue
-                except codec.ChunkError:
+                except codec.ChunkError as exc:
                     # A receiver in the commit refuses the version (its ack says why) and goes on:
                     # an abort drops it; if it commits anyway (quorum), it is fetched afresh, a
                     # few times at most (the damage may have been on the way here).
                     self._drop(v)
                     self.refused[v] = self.refused.get(v, 0) + 1
+                    if self.on_refuse is not None:
+                        self.on_refuse(v, exc)
                     if not self.receiver_id or self.refused[v] > self.max_refusals:
                         raise
                     continue

