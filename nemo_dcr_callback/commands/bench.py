@@ -43,14 +43,21 @@ def _codec(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------- placement
 def _placement_arguments(p: argparse.ArgumentParser) -> None:
-    _torchrun_arguments(p, pp=1, extra="model options passed through (--layers, --hidden, ...)")
+    _torchrun_arguments(p, pp=1, extra="model options passed through (--layers, --hidden, --experts, --family, "
+                                        "--moe-ffn, --encode, ...)")
     p.add_argument("--rate", type=float, default=0.03)
+    p.add_argument("--ep", type=positive, default=1, help="expert parallelism (ranks: TP x PP x EP)")
 
 
 def _placement(args: argparse.Namespace) -> int:
-    return _torchrun(args.tp * args.pp, "nemo_dcr_callback.bench.placement",
-                     ["--tp", str(args.tp), "--pp", str(args.pp), "--rate", str(args.rate)]
-                     + (["--json", args.json] if args.json else []) + list(args.extra))
+    return _torchrun(args.tp * args.pp * args.ep, "nemo_dcr_callback.bench.placement",
+                     ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep), "--rate", str(args.rate)]
+                     + (["--json", args.json] if args.json else []) + _passed(args.extra))
+
+
+def _passed(extra: list[str]) -> list[str]:
+    """Pass-through options, without the `--` that separates them."""
+    return extra[1:] if extra[:1] == ["--"] else list(extra)
 
 
 # -------------------------------------------------------------------- overhead

@@ -66,14 +66,12 @@ def to_hf(full: dict[str, torch.Tensor], family: Family, cfg, vocab_size: int, t
     hpg = heads // groups
     out: dict[str, torch.Tensor] = {}
     for key, t in full.items():
-        rule = family.rule(key)
+        rule, key_layer = family.lookup(key)
         if rule.tied_skip and tied:
             continue
-        stacked = key.startswith("decoder.layers.")
-        layers = range(t.shape[0]) if stacked else [None]
-        for layer in layers:
-            w = t[layer] if stacked else t
-            names = [h.format(layer=layer) for h in rule.hf]
+        stacked = key_layer is None and key.startswith("decoder.layers.")  # a leading layer axis
+        for layer, expert, w in _slices(t, stacked, rule.expert, key_layer):
+            names = [h.format(layer=layer, expert=expert) for h in rule.hf]
             if rule.kind == MapKind.PLAIN:
                 parts = [w]
             elif rule.kind == MapKind.VOCAB:
@@ -87,8 +85,17 @@ def to_hf(full: dict[str, torch.Tensor], family: Family, cfg, vocab_size: int, t
                 parts = list(torch.chunk(w, 2, dim=0))
             for name, part in zip(names, parts, strict=True):
                 val = part.to(torch.float32) + 1.0 if rule.transform == "plus_one" else part
-                out[name] = val.to(dtype).contiguous()
+                out[name] = val.to(getattr(torch, rule.dtype) if rule.dtype else dtype).contiguous()
     return out
+
+
+def _slices(t: torch.Tensor, stacked: bool, expert: bool, key_layer: int | None):
+    """(layer, expert, tensor) for each layer (a leading axis if stacked, else the key's) and
+    each expert (the next axis of an expert rule)."""
+    for layer in (range(t.shape[0]) if stacked else [key_layer]):
+        w = t[layer] if stacked else t
+        for e in (range(w.shape[0]) if expert else [None]):
+            yield layer, e, (w[e] if expert else w)
 
 
 def dense_export(model, family: Family, vocab_size: int, dtype: torch.dtype = torch.bfloat16,

@@ -46,6 +46,7 @@ class ParamMap:
     canon_stride: np.ndarray
     canon: list[str]
     dtype: torch.dtype = torch.bfloat16  # the parameter's (training) dtype
+    canon_dtype: torch.dtype = torch.bfloat16  # the canonical tensors' dtype
     size: int = 0  # the parameter's number of elements
     # project()'s search bounds by (add, positions' dtype): made once, not every version
     bounds: dict = field(default_factory=dict, repr=False, compare=False)
@@ -198,10 +199,20 @@ def _is_main(replica_id) -> bool:
     return all(int(x) == 0 for x in rid[:-1]) if len(rid) > 1 else True
 
 
+def _expert_dp() -> tuple[int, int]:
+    """This rank's expert-data-parallel rank and size (megatron-core's parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()
+
+
 def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtype = torch.bfloat16,
-                    dp_rank: int = 0, dp_size: int = 1) -> Placement:
-    """Maps for every parameter of this rank's model chunk (a megatron-core GPTModel, or a
-    DDP / Float16Module wrapper around one)."""
+                    dp_rank: int = 0, dp_size: int = 1, edp_rank: int | None = None,
+                    edp_size: int | None = None) -> Placement:
+    """Maps for every parameter (and persistent buffer with a sharded entry, e.g. a router's
+    expert bias) of this rank's model chunk (a megatron-core GPTModel, or a DDP / Float16Module
+    wrapper around one). Expert parameters are split over the expert-data-parallel ranks
+    (edp_*: default, megatron-core's parallel state), the others over dp_*."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     inner = model
@@ -211,8 +222,10 @@ def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtyp
     dims = {"vocab_size": vocab_size, "heads": cfg.num_attention_heads,
             "groups": cfg.num_query_groups or cfg.num_attention_heads,
             "head_dim": cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads}
-    by_ptr = {(p.data_ptr(), p.numel()): n for n, p in inner.named_parameters()}
     params = dict(inner.named_parameters())
+    buffers = {n: b for n, b in inner.named_buffers() if b.numel() and b.dtype.is_floating_point}
+    by_ptr = {(p.data_ptr(), p.numel()): n for n, p in (buffers | params).items()}
+    tensors = buffers | params
     maps: list[ParamMap] = []
     canonical: dict[str, tuple[int, ...]] = {}
     seen: set[str] = set()
@@ -223,18 +236,22 @@ def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtyp
         if pname is None:
             continue
         seen.add(pname)
-        p = params[pname]
-        rule = family.rule(sh.key)
+        p = tensors[pname]
+        rule, key_layer = family.lookup(sh.key)
         if rule.tied_skip and getattr(inner, "share_embeddings_and_output_weights", False):
             continue
         # A factory (SwiGLU fc1: local [gate_r; up_r]) builds the ShardedTensors of its pieces.
         pieces = sh.build() if isinstance(sh, ShardedTensorFactory) else [sh]
         pieces = list(pieces.values()) if isinstance(pieces, dict) else list(pieces)
-        segs, layer, rows_per, g_cols, main = [], None, [], 1, True
+        segs, layer, expert, rows_per, g_cols, main = [], key_layer, None, [], 1, True
         for piece in pieces:
             base = (piece.data.data_ptr() - p.data_ptr()) // p.element_size()
             pre = piece.prepend_axis_num
-            layer = int(piece.global_offset[0]) if pre else None
+            # prepended axes: [layer (stacked keys)] then [expert (expert rules)]
+            if rule.expert:
+                expert = int(piece.global_offset[pre - 1])
+            if key_layer is None and pre > int(rule.expert):
+                layer = int(piece.global_offset[0])
             g_shape = tuple(piece.global_shape[pre:])
             g_off = tuple(piece.global_offset[pre:])
             if len(g_shape) == 1:
@@ -245,16 +262,20 @@ def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtyp
             g_cols = g_shape[1]
             segs += _segments(tid, crow, local_cols, g_cols, g_off[1], base)
             main = main and _is_main(piece.replica_id)
-        names = [h.format(layer=layer) for h in rule.hf]
+        names = [h.format(layer=layer, expert=expert) for h in rule.hf]
         for nm, rows in zip(names, rows_per, strict=True):
             canonical[nm] = (rows, g_cols) if p.dim() == 2 else (rows,)
         segs.sort()
         n = p.numel()
-        lo, hi = (n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size) if main else (0, 0)
+        if rule.expert and edp_size is None:
+            edp_rank, edp_size = _expert_dp()
+        r, size = (edp_rank, edp_size) if rule.expert else (dp_rank, dp_size)
+        lo, hi = (n * r // size, n * (r + 1) // size) if main else (0, 0)
+        canon_dtype = getattr(torch, rule.dtype) if rule.dtype else dtype
         arr = np.array(segs, dtype=np.int64).reshape(-1, 6)
         maps.append(ParamMap(
             name=pname, key=sh.key, param=p, rule=rule, layer=layer, lo=lo, hi=hi,
-            residual=p.dtype != dtype or rule.transform is not None,
+            residual=p.dtype != canon_dtype or rule.transform is not None, canon_dtype=canon_dtype,
             local_start=arr[:, 0].copy(), length=arr[:, 1].copy(), row_len=arr[:, 2].copy(),
             canon_id=arr[:, 3].copy(), canon_offset=arr[:, 4].copy(), canon_stride=arr[:, 5].copy(),
             canon=names, dtype=p.dtype, size=n))

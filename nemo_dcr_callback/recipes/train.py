@@ -7,6 +7,9 @@ scripts/train.sbatch / scripts/train_srun.sbatch. gloo on CPU, NCCL on GPU. Over
   parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=2
   model.num_layers=8 model.hidden_size=512 trainer.max_steps=20 optimizer.lr=1e-5
   dcr.store=file:///shared/dcr dcr.verify=true hydra.run.dir=runs/exp1
+A mixture of experts: megatron-core's names, e.g.
+  model.num_moe_experts=8 model.moe_router_topk=2 model.moe_ffn_hidden_size=256
+  parallel.expert_model_parallel_size=2 dcr.family=qwen3_moe
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def run(cfg: DictConfig, run_dir: str) -> None:
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         distributed_optimizer=cfg.parallel.distributed_optimizer, lr=cfg.optimizer.lr,
+        expert_model_parallel_size=cfg.parallel.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=cfg.parallel.get("expert_tensor_parallel_size"), family=cfg.dcr.family,
         micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed)
     callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
     device = torch.device("cuda", le.local_rank) if torch.cuda.is_available() else "cpu"

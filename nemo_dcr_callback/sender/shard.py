@@ -76,7 +76,7 @@ class ShardSender:
         self.baselines: dict[str, torch.Tensor] = {}
         for pm in self.active:
             if pm.residual:
-                self.baselines[pm.name] = canonical_values(pm, placement.dtype).clone()
+                self.baselines[pm.name] = canonical_values(pm, pm.canon_dtype).clone()
             else:
                 self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
         self._undo: list[tuple[str, SparseDelta]] = []
@@ -116,7 +116,7 @@ class ShardSender:
 
     def _current(self, pm: ParamMap) -> torch.Tensor:
         if pm.residual:
-            return canonical_values(pm, self.placement.dtype)
+            return canonical_values(pm, pm.canon_dtype)
         return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
 
     def take(self, outs: list | None = None, threads: int | None = None) -> list[tuple[ParamMap, SparseDelta]]:
@@ -176,7 +176,7 @@ class ShardSender:
                 if pm.residual:
                     if digests is not None:
                         digests[pr.name] = digest.update_xor(digests.get(pr.name, 0), pr.positions, new, xor)
-                    out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, self.placement.dtype, numel, pos, new,
+                    out = codec.encode_sparse(pr.name, codec.Kind.OVERWRITE, pm.canon_dtype, numel, pos, new,
                                               span=self.span, level=self.level)
                 else:  # the encoder adds the changes' digest terms as it goes (no second pass)
                     terms = None if digests is None else [0, 0]

@@ -38,7 +38,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return torch.randint(0, self.vocab, self.shape, generator=g)
 
 
-def init_distributed(tp: int, pp: int) -> None:
+def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) from the launcher's environment, then
     Megatron's parallel state; the CPU shims where there is no GPU."""
     from megatron.core import parallel_state as ps
@@ -57,16 +57,19 @@ def init_distributed(tp: int, pp: int) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tp, pp)
+        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 class MegatronGPTModule(L.LightningModule):
     def __init__(self, model: TinyGPTConfig, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, lr: float = 1e-4, micro_batches: int = 2,
-                 micro_batch_size: int = 2, distributed_optimizer: bool = False, seed: int = 1234):
+                 micro_batch_size: int = 2, distributed_optimizer: bool = False, seed: int = 1234,
+                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                 family: str = "llama"):
         super().__init__()
         self.cfg = model
         self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        self.ep, self.etp, self.family = expert_model_parallel_size, expert_tensor_parallel_size, family
         self.lr, self.micro, self.mbs = lr, micro_batches, micro_batch_size
         self.distributed_optimizer, self.seed = distributed_optimizer, seed
         self.automatic_optimization = False
@@ -76,7 +79,7 @@ class MegatronGPTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.megatron is not None:
             return
-        init_distributed(self.tp, self.pp)
+        init_distributed(self.tp, self.pp, self.ep, self.etp)
         self.megatron = build_model(self.cfg, seed=self.seed)
         self._ddp, self._opt = wrap_for_training(self.megatron, lr=self.lr,
                                                  distributed_optimizer=self.distributed_optimizer)
@@ -85,7 +88,7 @@ class MegatronGPTModule(L.LightningModule):
         return self.megatron
 
     def dcr_hf_config(self):
-        return hf_config(self.cfg)
+        return hf_config(self.cfg, self.family)
 
     def configure_optimizers(self):
         return None  # the Megatron optimizer is stepped in training_step

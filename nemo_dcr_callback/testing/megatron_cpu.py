@@ -128,7 +128,62 @@ def enable() -> None:
     for name in ("get_default_causal_mask",):
         if hasattr(tutils, name):
             setattr(tutils, name, functools.lru_cache(maxsize=None)(_causal_mask))
+    _moe_and_mla()
     _enabled = True
+
+
+def _moe_and_mla() -> None:
+    """Mixtures of experts and MLA without Transformer Engine (megatron-core 0.16.1):
+    - the router tests `te_general_gemm is not None`, a name defined only when TE imports;
+    - MLA takes TE for present when TE's names import (as placeholders): HAVE_TE is set False;
+    - MoE with TP trains only with sequence parallelism, which the local spec's torch norms
+      refuse: they are built as without it, their weights marked sequence-parallel so that
+      their gradients are all-reduced over TP (what TE's norms do)."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    try:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+    except ImportError:
+        pass
+    orig = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        sp = config.sequence_parallel
+        if sp:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        mod = orig(cls, config, hidden_size, *args, **kwargs)
+        for p in mod.parameters():
+            p.sequence_parallel = sp
+        return mod
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Core attention for MLA under the local spec (megatron-core's DotProductAttention takes
+    no k_channels/v_channels): causal scaled-dot-product attention on [s, b, h, d]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type=None, softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None, **_):
+        super().__init__()
+        self.config, self.softmax_scale = config, softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            r = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
 
 
 def seed(value: int) -> None:

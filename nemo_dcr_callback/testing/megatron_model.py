@@ -28,6 +28,25 @@ class TinyGPTConfig:
     norm_eps: float = 1e-5
     params_dtype: str = "bfloat16"
     init_method_std: float = 0.02
+    # mixtures of experts (megatron-core's names; None: a dense MLP)
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    qk_layernorm: bool = False
+    # multi-head latent attention (DeepSeek-V3)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = 32
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 16
 
 
     @property
@@ -41,11 +60,43 @@ def padded_vocab(cfg: TinyGPTConfig, tp: int) -> int:
     return ((cfg.vocab_size + m - 1) // m) * m
 
 
+def _moe_fields(cfg: TinyGPTConfig, tp: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    if not cfg.num_moe_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_layer_freq=[0] * cfg.moe_first_dense_layers + [1] * (cfg.num_layers - cfg.moe_first_dense_layers),
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        # allgather: the dispatcher gloo runs as is; no capacity, jitter or fusions (deterministic)
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none", moe_permute_fusion=False,
+        moe_grouped_gemm=False, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=tp > 1,  # megatron-core trains MoE with TP only so
+    )
+
+
+def _mla_fields(cfg: TinyGPTConfig) -> dict:
+    if not cfg.multi_latent_attention:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+                v_head_dim=cfg.v_head_dim, rope_type="rope", rotary_base=cfg.rotary_base)
+
+
 def transformer_config(cfg: TinyGPTConfig, tp: int, pp: int):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dt = cfg.torch_dtype
-    return TransformerConfig(
+    cls = MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig
+    return cls(
+        **_moe_fields(cfg, tp), **_mla_fields(cfg), qk_layernorm=cfg.qk_layernorm or cfg.multi_latent_attention,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         use_cpu_initialization=True, params_dtype=dt, pipeline_dtype=dt, bf16=dt == torch.bfloat16,
@@ -71,8 +122,21 @@ def build_model(cfg: TinyGPTConfig, seed: int = 1234):
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     torch.manual_seed(seed)
+    tcfg = transformer_config(cfg, tp, pp)
+    if cfg.multi_latent_attention or cfg.moe_first_dense_layers:  # layers that differ: a block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from nemo_dcr_callback.testing.megatron_cpu import SDPACoreAttention
+
+        spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+        if cfg.multi_latent_attention:  # (the local spec's core attention cannot take MLA's head dims)
+            for ls in spec.layer_specs:
+                ls.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     return GPTModel(
-        transformer_config(cfg, tp, pp), get_gpt_layer_local_spec(normalization="RMSNorm"),
+        tcfg, spec,
         vocab_size=padded_vocab(cfg, tp), max_sequence_length=cfg.seq_length,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
@@ -80,10 +144,37 @@ def build_model(cfg: TinyGPTConfig, seed: int = 1234):
     )
 
 
-def hf_config(cfg: TinyGPTConfig):
-    from transformers import LlamaConfig
+def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
+    """The transformers config of the model's family (the receiver's)."""
+    import transformers
 
-    return LlamaConfig(
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_attention_heads, max_position_embeddings=max(cfg.seq_length, 64),
+                  rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rotary_base, tie_word_embeddings=cfg.tie_word_embeddings,
+                  torch_dtype=cfg.params_dtype)
+    moe_f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=cfg.num_query_groups, head_dim=head_dim,
+            intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=moe_f, num_experts=cfg.num_moe_experts,
+            num_experts_per_tok=cfg.moe_router_topk,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            **common, num_key_value_heads=cfg.num_query_groups, head_dim=head_dim, intermediate_size=moe_f,
+            num_local_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk)
+    if family == "deepseek_v3":
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        return transformers.DeepseekV3Config(
+            **common, num_key_value_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size,
+            moe_intermediate_size=moe_f, n_routed_experts=cfg.num_moe_experts, n_shared_experts=shared // moe_f,
+            num_experts_per_tok=cfg.moe_router_topk, n_group=cfg.moe_router_num_groups or 1,
+            topk_group=cfg.moe_router_group_topk or 1, first_k_dense_replace=cfg.moe_first_dense_layers,
+            q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+            qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+            routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True, rope_interleave=True)
+    return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_query_groups, max_position_embeddings=max(cfg.seq_length, 64),

@@ -1,6 +1,7 @@
 """torchrun worker: the independent check of the maps' conversion. In fp32, megatron-core's
-forward (TP/PP, pipeline schedule) and transformers' LlamaForCausalLM forward on the dense
-export give the same logits on the same tokens. Prints "max abs diff X" on one rank."""
+forward (TP/PP/EP, pipeline schedule) and the forward of the family's transformers model,
+loaded by from_pretrained from the dense export, give the same logits on the same tokens.
+Prints "max abs diff X" on one rank."""
 
 from __future__ import annotations
 
@@ -20,7 +21,17 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--tie", action="store_true")
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=None)
     a = ap.parse_args()
+    from refit_worker import hf_receiver, moe_config
+
+    # the MoE settings of the refit tests (top-2, expert ffn 32; DeepSeek: MLA, shared expert,
+    # a dense first layer, sigmoid scores with a bias and group-limited routing)
+    a.topk, a.moe_ffn, a.etp = 2, 32, None
+    ds = a.family == "deepseek_v3"
+    a.shared, a.dense_first, a.mla = (32, 1, True) if ds else (None, 0, False)
     from nemo_dcr_callback.testing import megatron_cpu
 
     megatron_cpu.enable()
@@ -30,13 +41,18 @@ def main() -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ps.initialize_model_parallel(a.tp, a.pp)
-    from nemo_dcr_callback.placement import LLAMA, dense_export
-    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig, build_model, hf_config
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
+    from nemo_dcr_callback.placement import FAMILIES, dense_export
+    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig, build_model
 
-    cfg = TinyGPTConfig(params_dtype="float32", num_query_groups=a.groups, tie_word_embeddings=a.tie,
-                        init_method_std=0.2)
+    cfg = TinyGPTConfig(params_dtype="float32", num_query_groups=4 if ds else a.groups, tie_word_embeddings=a.tie,
+                        init_method_std=0.2, **moe_config(a))
     model = build_model(cfg)
+    if ds:  # a score-correction bias as training leaves it (it changes which experts are chosen)
+        with torch.no_grad():
+            for m in model.modules():
+                if getattr(m, "expert_bias", None) is not None:
+                    m.expert_bias.copy_(torch.linspace(-0.3, 0.3, m.expert_bias.numel()))
     model.eval()
     b, s = 2, 16
     tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
@@ -63,15 +79,10 @@ def main() -> int:
         parts = [torch.empty_like(part) for _ in range(a.tp)]
         dist.all_gather(parts, part, group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)[..., :cfg.vocab_size]
-    export = dense_export(model, LLAMA, cfg.vocab_size, dtype=torch.float32, dst=last_tp0)
+    export = dense_export(model, FAMILIES[a.family], cfg.vocab_size, dtype=torch.float32, dst=last_tp0)
     if dist.get_rank() == last_tp0:
-        from transformers import LlamaForCausalLM
-
-        hf = LlamaForCausalLM(hf_config(cfg)).to(torch.float32)
-        missing, unexpected = hf.load_state_dict(export, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        if a.tie:
-            hf.tie_weights()
+        hf, names = hf_receiver(cfg, a.family, export, dtype=torch.float32)  # transformers' own loader
+        assert set(export) == names, sorted(set(export) ^ names)
         with torch.no_grad():
             ref = hf(tokens).logits
         diff = float((ref - logits).abs().max())

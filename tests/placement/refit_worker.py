@@ -18,6 +18,70 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
+def moe_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--moe-ffn", type=int, default=32)
+    ap.add_argument("--shared", type=int, default=None, help="shared expert's intermediate size")
+    ap.add_argument("--dense-first", type=int, default=0, help="dense layers before the MoE ones")
+    ap.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-V3)")
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
+
+
+def moe_config(a) -> dict:
+    """TinyGPTConfig fields for the family's mixture of experts (none for dense families)."""
+    if not a.experts:
+        return {}
+    kw = dict(num_moe_experts=a.experts, moe_router_topk=a.topk, moe_ffn_hidden_size=a.moe_ffn,
+              moe_shared_expert_intermediate_size=a.shared, moe_first_dense_layers=a.dense_first,
+              multi_latent_attention=a.mla, qk_layernorm=a.family == "qwen3_moe")
+    if a.family == "deepseek_v3":  # sigmoid scores, a score-correction bias, group-limited routing
+        kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+                  moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
+    return kw
+
+
+def _is_expert(p) -> bool:
+    return not getattr(p, "allreduce", True)  # megatron-core marks expert parameters so
+
+
+def hf_receiver(cfg, family: str, export: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16):
+    """A transformers model of the family loaded from the export (written as a checkpoint, read
+    by from_pretrained), and the tensor names transformers itself writes for this config."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from nemo_dcr_callback.testing.megatron_model import hf_config
+
+    hcfg = hf_config(cfg, family)
+    with tempfile.TemporaryDirectory() as d:
+        fresh = transformers.AutoModelForCausalLM.from_config(hcfg)
+        fresh.should_save_on_this_rank = lambda is_main_process: True  # (it writes on torch rank 0 only)
+        fresh.save_pretrained(d + "/fresh")
+        names = set()
+        for path in Path(d, "fresh").glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                names |= set(f.keys())
+        hcfg.save_pretrained(d + "/export")
+        save_file({k: v.contiguous() for k, v in export.items()}, d + "/export/model.safetensors",
+                  metadata={"format": "pt"})
+        model = transformers.AutoModelForCausalLM.from_pretrained(d + "/export", dtype=dtype)
+    # from_pretrained computes non-persistent buffers (rotary inv_freq) after its meta-device
+    # init; with megatron_cpu's wrapped torch factories in this process it leaves them unset:
+    # they come from the model built from the config instead (they are no checkpoint tensors)
+    persistent = set(model.state_dict())
+    with torch.no_grad():
+        for n, b in fresh.named_buffers():
+            if n not in persistent:
+                dict(model.named_buffers())[n].copy_(b)
+    return model, names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
@@ -31,6 +95,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dist-opt", action="store_true")
     ap.add_argument("--family", default="llama")
+    moe_arguments(ap)
     a = ap.parse_args()
 
     from nemo_dcr_callback.testing import megatron_cpu
@@ -41,14 +106,13 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(a.tp, a.pp)
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp)
     from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
     from nemo_dcr_callback.receiver.targets import apply_chunks
     from nemo_dcr_callback.sender.shard import ShardSender
     from nemo_dcr_callback.testing.megatron_model import (
         TinyGPTConfig,
         build_model,
-        hf_config,
         train_step,
         wrap_for_training,
     )
@@ -56,7 +120,7 @@ def main() -> int:
     rank = dist.get_rank()
     family = FAMILIES[a.family]
     cfg = TinyGPTConfig(num_layers=a.layers, num_attention_heads=a.heads, num_query_groups=a.groups,
-                        vocab_size=a.vocab, tie_word_embeddings=a.tie)
+                        vocab_size=a.vocab, tie_word_embeddings=a.tie, **moe_config(a))
     model = build_model(cfg)
     ddp, opt = wrap_for_training(model, lr=a.lr, distributed_optimizer=a.dist_opt)
     dp = ps.get_data_parallel_world_size()
@@ -69,14 +133,19 @@ def main() -> int:
     receiver = None
     exp0 = dense_export(model, family, a.vocab)
     if rank == 0:
-        from transformers import LlamaForCausalLM
-
-        receiver = LlamaForCausalLM(hf_config(cfg)).to(torch.bfloat16)
-        state = receiver.state_dict()
-        expected = set(state) - ({"lm_head.weight"} if a.tie else set())
+        # the receiver: transformers' own loader reads the dense export as a checkpoint; the
+        # canonical tensors are its parameters (or views of its fused experts)
+        receiver, expected = hf_receiver(cfg, a.family, exp0)
         if set(exp0) != expected:
-            print(f"FAIL: export names differ from the HF model: {sorted(set(exp0) ^ expected)}")
+            print(f"FAIL: export names differ from the HF checkpoint's: {sorted(set(exp0) ^ expected)}")
             return 1
+        from nemo_dcr_callback.receiver.targets.hf_memory import canonical_views
+
+        state = canonical_views(receiver, exp0)
+        for k, v in exp0.items():
+            if not torch.equal(state[k].view(torch.uint8), v.view(torch.uint8)):
+                print(f"FAIL: {k} loaded by transformers differs from the export")
+                return 1
         shapes: dict[str, tuple] = {}
         per: dict[str, list] = {}
         for c, canon in cov:
@@ -94,10 +163,6 @@ def main() -> int:
                 return 1
         print(f"coverage: {len(per)} canonical tensors, {sum(state[k].numel() for k in per)} elements, "
               f"each sent by exactly one rank")
-        missing, unexpected = receiver.load_state_dict(exp0, strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            print(f"FAIL: load_state_dict: missing {missing} unexpected {unexpected}")
-            return 1
 
     g = torch.Generator().manual_seed(1000 + ps.get_data_parallel_rank())
     for step in range(1, a.steps + 1):
@@ -106,12 +171,14 @@ def main() -> int:
         # The DP work split assumes data-parallel replicas hold the same bits: check it.
         from nemo_dcr_callback.codec import tensor_digest
 
-        mine = [tensor_digest(p.detach()) for p in model.parameters()]
-        peers = [None] * dp
-        dist.all_gather_object(peers, mine, group=ps.get_data_parallel_group())
-        if any(x != mine for x in peers):
-            print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
-            return 1
+        # (expert parameters are replicated over the expert-data-parallel group instead)
+        for experts, group in ((False, ps.get_data_parallel_group()), (True, ps.get_expert_data_parallel_group())):
+            mine = [tensor_digest(p.detach()) for p in model.parameters() if _is_expert(p) == experts]
+            peers = [None] * dist.get_world_size(group)
+            dist.all_gather_object(peers, mine, group=group)
+            if any(x != mine for x in peers):
+                print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
+                return 1
         taken = sender.take()
         dig_c = sender.digests()
         dig_p = dict(dig_c)
@@ -137,11 +204,10 @@ def main() -> int:
             changed = sum(r[1] for r in got)
             total = sum(r[2] for r in got)
             resid = sum(r[3] for r in got)
-            state = receiver.state_dict()
             apply_chunks(state, all_chunks)
             for name, ref in exp.items():
-                if not torch.equal(ref.view(torch.int16), state[name].view(torch.int16)):
-                    bad = int((ref.view(torch.int16) != state[name].view(torch.int16)).sum())
+                if not torch.equal(ref.view(torch.uint8), state[name].view(torch.uint8)):
+                    bad = int((ref.view(torch.uint8) != state[name].view(torch.uint8)).sum())
                     print(f"FAIL step {step}: {name} differs from the dense export in {bad} elements")
                     return 1
             if changed == 0:
@@ -151,6 +217,13 @@ def main() -> int:
             print(f"step {step}: changed {changed}/{total} ({changed / total:.2%}, residual {resid}), "
                   f"{len(all_chunks)} chunks, {nbytes} bytes vs {2 * total} dense; "
                   f"{len(exp)} tensors bit-exact with the dense export", flush=True)
+    if rank == 0:  # buffers moved by training itself (DeepSeek's router bias): sent too
+        moved = {k: int((exp[k] != exp0[k]).sum()) for k in exp if k.endswith("e_score_correction_bias")}
+        if moved:
+            print(f"router score-correction bias: {sum(moved.values())} elements moved in {len(moved)} tensors")
+            if not sum(moved.values()):
+                print("FAIL: the router bias never moved (the test would not show it is sent)")
+                return 1
     dist.barrier()
     return 0
 

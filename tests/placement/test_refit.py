@@ -32,6 +32,22 @@ SLOW = [
 ]
 
 
+# Mixtures of experts (issue 34): EP 2, EP 2 x TP 2, EP 2 x PP 2; DP and the distributed
+# optimizer; top-2 of 4-8 experts; DeepSeek-V3 with MLA, a dense first layer, a shared expert
+# and the router's fp32 score-correction bias.
+_DS = ["--family", "deepseek_v3", "--mla", "--shared", "32", "--dense-first", "1", "--groups", "4"]
+MOE_FAST = [
+    (4, ["--family", "qwen3_moe", "--experts", "4", "--ep", "2", "--tp", "2", "--layers", "2", "--vocab", "256"]),
+    (4, [*_DS, "--experts", "4", "--ep", "2", "--pp", "2", "--layers", "4", "--vocab", "256"]),
+]
+MOE_SLOW = [
+    (2, ["--family", "qwen3_moe", "--experts", "8", "--ep", "2", "--layers", "2"]),
+    (4, ["--family", "mixtral", "--experts", "8", "--ep", "2", "--dist-opt", "--layers", "2"]),  # DP 4, EDP 2
+    (4, [*_DS, "--experts", "8", "--ep", "2", "--tp", "2", "--layers", "2", "--vocab", "256"]),
+    (8, ["--family", "qwen3_moe", "--experts", "4", "--ep", "2", "--pp", "2", "--dist-opt", "--layers", "4"]),
+]
+
+
 def torchrun(nproc: int, worker: Path, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(torchrun_cmd(nproc, [str(worker), *args]), capture_output=True, text=True, timeout=timeout)
 
@@ -63,8 +79,24 @@ def test_refit_bit_exact_matrix(nproc, args):
     _run(nproc, args)
 
 
+@pytest.mark.parametrize("nproc,args", MOE_FAST, ids=_ids(MOE_FAST))
+def test_moe_refit_bit_exact(nproc, args):
+    out = _run(nproc, [*args, "--lr", "1e-3"])
+    if "deepseek_v3" in args:
+        assert re.search(r"router score-correction bias: [1-9]\d* elements moved", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,args", MOE_SLOW, ids=_ids(MOE_SLOW))
+def test_moe_refit_bit_exact_matrix(nproc, args):
+    _run(nproc, [*args, "--lr", "1e-3"])
+
+
 LOGITS = [(2, ["--tp", "2"]), (4, ["--tp", "2", "--pp", "2", "--tie"]), (4, ["--tp", "4", "--groups", "4"]),
-          (2, ["--tp", "1", "--pp", "2", "--groups", "1"])]
+          (2, ["--tp", "1", "--pp", "2", "--groups", "1"]),
+          (4, ["--family", "qwen3_moe", "--experts", "4", "--tp", "2", "--ep", "2"]),
+          (2, ["--family", "mixtral", "--experts", "8", "--tp", "1", "--ep", "2"]),
+          (4, ["--family", "deepseek_v3", "--experts", "4", "--tp", "2", "--ep", "2"])]
 
 
 @pytest.mark.parametrize("nproc,args", LOGITS, ids=_ids(LOGITS))
