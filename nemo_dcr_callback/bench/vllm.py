@@ -1,8 +1,11 @@
-"""A vLLM engine (the CPU build) refitted three ways, per version (issue 33): DCR (fetch,
-decode, then the in-place apply through the model's load_weights), a dense in-place reload of
-the same weights through load_weights, and vLLM's own load_checkpoint_weight_patches (NaN-masked
-sparse patches) on the same versions. On CPU vLLM repacks linear weights after each; that time
-is its own column (a GPU has none). Run in .venv-vllm (make test-vllm builds it):
+"""A vLLM engine (the CPU build) refitted three ways, per version (issue 33): DCR (fetch and
+decode in the worker's background, then the in-place apply through the model's load_weights:
+the pause), a dense in-place reload of the same weights through load_weights, and vLLM's own
+load_checkpoint_weight_patches (NaN-masked sparse patches) on the same versions. On CPU vLLM
+repacks linear weights after each; that time is its own column (a GPU has none). `lines` is
+the share of 64-byte cache lines of the weights that hold a change: an in-place apply reads
+and writes each of them, so on a CPU, where the dense copy runs at the same memory's speed,
+the apply costs about what a copy of that share does. Run in .venv-vllm (make test-vllm builds it):
 
     .venv-vllm/bin/nemo-dcr bench vllm --json benchmarks/results/vllm.json
 """
@@ -10,6 +13,7 @@ is its own column (a GPU has none). Run in .venv-vllm (make test-vllm builds it)
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -53,13 +57,14 @@ def _model(tmp: Path, hidden: int, layers: int, vocab: int):
 
 
 def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: int = 32000,
-        json_path: str | None = None) -> dict:
+        json_path: str | None = None, reps: int = 3) -> dict:
+    """`reps` versions at each rate (every figure also as the median per rate: one run on a
+    shared 2-core machine varies by tens of percent)."""
     import vllm
     from safetensors.torch import save_file
 
     from nemo_dcr_callback.bench.fp8 import ulp_step
-    from nemo_dcr_callback.protocol import commit
-    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from nemo_dcr_callback.testing.tensor_sender import publish
     from nemo_dcr_callback.transport.store import FileStore
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -75,22 +80,25 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
                        max_model_len=128, worker_extension_cls=EXT, gpu_memory_utilization=0.1)
         store = FileStore(tmp / "store")
         llm.collective_rpc("dcr_attach", args=(store.url,))
-        print(f"{'change':>6} {'fetch+decode':>12} {'DCR load':>9} {'dense load':>10} {'vLLM patches':>12} "
-              f"{'repack':>7} {'load/dense':>10} {'pause/dense':>11}", flush=True)
+        print(f"{'change':>6} {'lines':>6} {'fetch+decode':>12} {'DCR load':>9} {'dense load':>10} "
+              f"{'vLLM patches':>12} {'repack':>7} {'load/dense':>10} {'pause/dense':>11}", flush=True)
         states = [s0]
-        for v, rate in enumerate(rates, start=1):
+        for v, rate in enumerate([r for r in rates for _ in range(reps)], start=1):
             states.append(ulp_step(states[-1], rate, seed=v))
             old, new = states[-2], states[-1]
-            s = TensorSender(old, 0, 1)
-            s.tensors = dict(new)
-            s.write(store, v, v - 1, s.take())
-            commit.run_commit(store, commit.seal_version(store, v, v - 1, 1, timeout=60), commit.CommitPolicy())
-            dcr = llm.collective_rpc("dcr_update")[0]
+            publish(store, v, v - 1, old, new)
+            # as a serving loop does: at each step boundary apply what the background has ready
+            while not (dcr := llm.collective_rpc("dcr_update", kwargs={"wait": False})[0])["applied"]:
+                time.sleep(0.05)
             assert dcr["version"] == v and dcr["refused"] is None, dcr
             dv = tmp / f"dense-{v}"
             dv.mkdir()
             save_file(new, str(dv / "model.safetensors"))
             dense = llm.collective_rpc("dcr_reload_dense", args=(str(dv), v))[0]
+            touched = sum(int(torch.unique(torch.nonzero(
+                t.view(torch.int16).reshape(-1) != old[n].view(torch.int16).reshape(-1)).reshape(-1) // 32).numel())
+                for n, t in new.items())
+            lines = sum((t.numel() + 31) // 32 for t in new.values())
             patches = []
             for n, t in new.items():
                 idx = torch.nonzero(t.view(torch.int16).reshape(-1) != old[n].view(torch.int16).reshape(-1)).reshape(-1)
@@ -98,18 +106,29 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
                 patches.append((n, tuple(t.shape), t.reshape(-1)[idx].view(torch.int16).numpy().tobytes(),
                                 idx.numpy().tobytes()))
             vp = llm.collective_rpc(_vllm_patch, args=(patches,))[0]
-            row = {"version": v, "rate": rate, "params": params, "fetch_decode_s": dcr["fetch_decode_s"],
+            row = {"version": v, "rate": rate, "params": params, "lines_touched": touched / lines,
+                   "fetch_decode_s": dcr["fetch_decode_s"],
                    "dcr_load_s": dcr["load_s"], "dcr_repack_s": dcr["repack_s"], "dense_read_s": dense["read_s"],
                    "dense_load_s": dense["load_s"], "dense_repack_s": dense["repack_s"],
                    "vllm_patch_load_s": vp["load_s"], "vllm_patch_repack_s": vp["repack_s"],
                    "load_vs_dense": dcr["load_s"] / dense["load_s"],
                    "pause_vs_dense": (dcr["load_s"] + dcr["repack_s"]) / (dense["load_s"] + dense["repack_s"])}
             rows.append(row)
-            print(f"{100 * rate:5.0f}% {row['fetch_decode_s']:11.3f}s {row['dcr_load_s']:8.3f}s "
+            print(f"{100 * rate:5.0f}% {100 * row['lines_touched']:5.0f}% {row['fetch_decode_s']:11.3f}s "
+                  f"{row['dcr_load_s']:8.3f}s "
                   f"{row['dense_load_s']:9.3f}s {row['vllm_patch_load_s']:11.3f}s {row['dcr_repack_s']:6.3f}s "
                   f"{row['load_vs_dense']:10.2f} {row['pause_vs_dense']:11.2f}", flush=True)
         llm.llm_engine.engine_core.shutdown()
-    res = {"rows": rows, "vllm": vllm.__version__, "machine": machine()}
+    keys = ["lines_touched", "fetch_decode_s", "dcr_load_s", "dcr_repack_s", "dense_load_s", "dense_repack_s",
+            "vllm_patch_load_s", "vllm_patch_repack_s", "load_vs_dense", "pause_vs_dense"]
+    medians = [{"rate": r, **{k: statistics.median(x[k] for x in rows if x["rate"] == r) for k in keys}}
+               for r in rates]
+    print("medians:")
+    for m in medians:
+        print(f"{100 * m['rate']:5.0f}% {100 * m['lines_touched']:5.0f}% {m['fetch_decode_s']:11.3f}s "
+              f"{m['dcr_load_s']:8.3f}s {m['dense_load_s']:9.3f}s {m['vllm_patch_load_s']:11.3f}s "
+              f"{m['dcr_repack_s']:6.3f}s {m['load_vs_dense']:10.2f} {m['pause_vs_dense']:11.2f}", flush=True)
+    res = {"rows": rows, "medians": medians, "reps": reps, "vllm": vllm.__version__, "machine": machine()}
     if json_path:
         write_json(json_path, res)
     return res
