@@ -107,8 +107,10 @@ def test_stats(tmp_path):
     assert st["params"] == 300 * 64 * 2 + 64 * 64 + 64 + 128 * 64 + 1
     assert 0.03 < st["change_rate"] < 0.07
     assert st["ratio_vs_dense"] > 1 and 0 < st["efficiency_vs_xor_bound"]
+    # the whole file (manifest and framing included) is below the payload-only figure
+    assert st["non_payload_bytes"] > 0 and 0 < st["efficiency_whole_vs_xor_bound"] < st["efficiency_vs_xor_bound"]
     text = run("stats", tmp_path / "d.dcr").stdout
-    assert "ratio vs dense" in text and "bits per param" in text
+    assert "ratio vs dense" in text and "bits per param" in text and "(whole file)" in text
 
 
 def _assert_refused(tmp_path, base, delta, match):

@@ -25,8 +25,11 @@ def print_stats(st: dict) -> None:
     print(f"dense size         {_human(st['dense_bytes'])}")
     print(f"bits per param     {st['bits_per_param']:.4f}")
     print(f"ratio vs dense     {st['ratio_vs_dense']:.1f}x")
-    print(f"bound (xor)        {_human(st['xor_bound_bytes'])}  efficiency {st['efficiency_vs_xor_bound']:.3f}")
-    print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f}")
+    print(f"bound (xor)        {_human(st['xor_bound_bytes'])}  efficiency {st['efficiency_vs_xor_bound']:.3f} "
+          f"(payload), {st['efficiency_whole_vs_xor_bound']:.3f} (whole file)")
+    print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f} "
+          f"(payload), {st['efficiency_whole_vs_ulp_bound']:.3f} (whole file)")
+    print(f"beyond the payload {_human(st['non_payload_bytes'])} (manifest, chunk framing)")
 
 
 # ------------------------------------------------------------------------ diff

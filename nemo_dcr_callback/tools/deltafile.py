@@ -466,6 +466,14 @@ def stats(delta_path: str | os.PathLike) -> dict:
         "efficiency_vs_xor_bound": (bx / 8) / xbytes if xbytes else 1.0,
         "efficiency_vs_ulp_bound": (bu / 8) / xbytes if xbytes else 1.0,
     }
+    # Whole file: every byte a receiver downloads (manifest, chunk headers, tensors sent whole),
+    # against the bound plus what must be sent whole anyway. Real checkpoints have hundreds of
+    # tensors, and their per-tensor costs hide behind the payload-only figure.
+    size = os.path.getsize(delta_path)
+    whole = sum(r["bytes"] for r in full)
+    out["efficiency_whole_vs_xor_bound"] = (bx / 8 + whole) / size if size else 1.0
+    out["efficiency_whole_vs_ulp_bound"] = (bu / 8 + whole) / size if size else 1.0
+    out["non_payload_bytes"] = size - payload
     return out
 
 
