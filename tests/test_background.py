@@ -62,8 +62,13 @@ def test_versions_are_readied_in_the_background_and_applied_by_the_caller(tmp_pa
         _until(lambda: bf._jobs.qsize() == 1)  # version 1 fetched, checked, decoded meanwhile...
         time.sleep(0.1)
         assert _same(tensors, states[0]) and bf.version == 0  # ...and nothing applied off the caller's thread
-        up = bf.apply_ready()  # everything sealed now: 1 and 2
-        assert up.applied == [1, 2] and up.version == 2 and up.refused is None
+        up = bf.apply_ready(until=1)  # only up to 1, though 2 is sealed (and readied next)
+        assert up.applied == [1] and up.version == 1 and _same(tensors, states[1])
+        _until(lambda: bf._jobs.qsize() == 1)
+        time.sleep(0.1)
+        assert bf.version == 1
+        up = bf.apply_ready()  # everything sealed now: 2
+        assert up.applied == [2] and up.version == 2 and up.refused is None
         assert _same(tensors, states[2])
         assert set(target.threads) == {threading.get_ident()}
         assert up.changed == set(states[0])

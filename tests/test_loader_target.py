@@ -256,3 +256,31 @@ def test_a_column_shard_takes_only_its_columns_changes(tmp_path):
         for k in ("qkv_proj", "gate_up_proj", "down_proj", "norm"):
             assert torch.equal(bits(getattr(model.inner, k).data), bits(want[k])), (f.version, k)
     assert target.copies["strided"] == 3 and target.copies["dense"] == 0
+
+
+def test_an_engine_that_changes_its_layout_after_loading_is_refused(tmp_path):
+    """integrations/vllm._check_against: the model, read back through its loader's copies, must
+    hold the checkpoint it was loaded from; a layout changed after loading (vLLM's CPU backend
+    prepacks MoE experts) is refused by name before anything is applied."""
+    from safetensors.torch import save_file
+
+    from nemo_dcr_callback.integrations.vllm import _check_against
+
+    g = torch.Generator().manual_seed(0)
+    ck = {"a.weight": torch.randn(8, 4, generator=g).bfloat16(), "b.weight": torch.randn(6, generator=g).bfloat16()}
+    save_file(ck, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(ck["a.weight"].clone(), requires_grad=False)
+    model.b = torch.nn.Parameter(ck["b.weight"].clone(), requires_grad=False)
+    params = {"a.weight": model.a, "b.weight": model.b}
+
+    def load(items):
+        for n, t in items:
+            params[n].data.copy_(t)
+
+    target = LoaderTarget(model, load, {n: (t.shape, t.dtype) for n, t in ck.items()})
+    _check_against(target, str(tmp_path))  # holds what it loaded: accepted
+    with torch.no_grad():
+        model.a.data.copy_(model.a.data.flip(0))  # "prepacked": the same values, another layout
+    with pytest.raises(ValueError, match="does not hold 'a.weight' as its loader wrote it"):
+        _check_against(target, str(tmp_path))

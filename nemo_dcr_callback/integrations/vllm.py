@@ -59,7 +59,74 @@ def _keep_cpu_weights() -> None:
     setattr(utils, _KEEP, True)
 
 
+_EXPERTS = ("w13_weight", "w2_weight")
+
+
+def _keep_raw_experts() -> None:
+    """vLLM's CPU MoE pads and prepacks each layer's w13/w2 for its grouped GEMM after loading,
+    and registers the packed tensors under the same names: its loader would then write
+    checkpoint rows into the packed layout. Keep the loader-layout tensors (the Parameters the
+    loader filled; memory for the experts doubles, as for the kept linear weights) so that
+    updates go there and the layer is packed again afterwards (idempotent)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:
+        return
+    cls = cpu_moe.CPUUnquantizedExperts
+    if getattr(cls, _KEEP, False):
+        return
+    orig = cls.process_weights_after_loading
+
+    def keep(self, layer) -> None:
+        raw = {n: getattr(layer, n) for n in _EXPERTS}
+        orig(self, layer)
+        if getattr(self, "_use_zentorch", False) or getattr(layer, "w13_bias", None) is not None:
+            return  # (zentorch keeps its own layout; biased experts are padded through .data: not kept)
+        layer._dcr_raw = raw
+        layer._dcr_pack = lambda: _pack_again(self, orig, layer)
+
+    cls.process_weights_after_loading = keep
+    setattr(cls, _KEEP, True)
+
+
+def _pack_again(experts, orig, layer) -> None:
+    """Run vLLM's own padding and prepacking on the loader-layout weights, into the packed
+    tensors the kernel holds."""
+    packed = {n: getattr(layer, n) for n in _EXPERTS}
+    for n in _EXPERTS:
+        layer.register_parameter(n, torch.nn.Parameter(layer._dcr_raw[n].detach().clone(), requires_grad=False))
+    orig(experts, layer)
+    for n in _EXPERTS:
+        packed[n].data.copy_(getattr(layer, n).data)
+        layer.register_parameter(n, packed[n])
+
+
+class _LoaderLayout:
+    """Within it, layers whose experts vLLM prepacked show the loader their loader-layout
+    weights (what load_weights writes and the digests read)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for m in model.modules() if hasattr(m, "_dcr_raw")]
+        self.depth = 0  # (re-entered by the loader calls made inside it: only the outermost swaps)
+
+    def __enter__(self):
+        self.depth += 1
+        if self.depth == 1:
+            self.saved = [{n: getattr(m, n) for n in _EXPERTS} for m in self.layers]
+            for m in self.layers:
+                for n in _EXPERTS:
+                    m.register_parameter(n, m._dcr_raw[n])
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            for m, saved in zip(self.layers, self.saved, strict=True):
+                for n in _EXPERTS:
+                    m.register_parameter(n, saved[n])
+
+
 _keep_cpu_weights()
+_keep_raw_experts()
 
 
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -69,6 +136,30 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtyp
 
     ck = Checkpoint(model_dir)
     return {n: (torch.Size(ck.entry(n).shape), codec.dtype_info(ck.entry(n).dtype).torch) for n in ck.where}
+
+
+def _store_digests(store, version: int) -> bool:
+    """Does the store hold the digests of `version` (its record, or its keyframe's)?"""
+    from nemo_dcr_callback.protocol import commit
+
+    return bool((commit.read_record(store, version) if version else None) or commit.read_keyframe(store, version))
+
+
+def _check_against(target: LoaderTarget, model_dir: str) -> None:
+    """The model, read back through its loader's copies, must hold the checkpoint it was loaded
+    from. It does not where vLLM keeps a weight in a layout of its own after loading (its CPU
+    MoE prepacks the experts for its grouped GEMM): the loader would then write checkpoint rows
+    into that layout, so such an engine is refused before anything is applied."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                held = target.digest_of(name) if name in target.shapes else None
+                if held is not None and held != digest.sum64(st.get_tensor(name)):
+                    raise ValueError(f"vLLM does not hold {name!r} as its loader wrote it (a layout of its own "
+                                     f"after loading, e.g. the CPU backend's prepacked MoE experts): the weights "
+                                     f"cannot be updated in place through its loader")
 
 
 def _flag(x: bool | str) -> bool:
@@ -171,16 +262,26 @@ class DCRWorkerExtension:
         model = self.model_runner.model
         model_dir = model_dir or self.model_runner.model_config.model
         group = self._dcr_group()
-        target = ShardedLoaderTarget(model, model.load_weights, _checkpoint_shapes(model_dir), group)
+        layout = _LoaderLayout(model)
+
+        def load(items):
+            with layout:
+                return model.load_weights(items)
+
+        with layout:  # (the loader's copies are learned into the loader-layout experts)
+            target = ShardedLoaderTarget(model, load, _checkpoint_shapes(model_dir), group)
+        self._dcr_moe = {m._dcr_raw[n].untyped_storage().data_ptr(): m for m in layout.layers for n in _EXPERTS}
         refused = sorted(n for n, ok in target.plain.items() if not ok)
         if refused:
             raise ValueError(f"vLLM's loader does not copy {refused[0]!r} (and {len(refused) - 1} more) as a plain "
                              f"copy: these cannot be updated in place")
+        store = open_store(store_url)
+        if not _store_digests(store, version):  # nothing in the store to check the weights against
+            _check_against(target, model_dir)
         self._dcr_target, self._dcr_group_ = target, group
         self._dcr_layers = self._linear_layers(model)
         receiver_id = receiver_id or None  # ("" over HTTP)
-        self._dcr_args = (open_store(store_url), receiver_id if group is None or group.rank == 0 else None,
-                          float(idle_poll_s))
+        self._dcr_args = (store, receiver_id if group is None or group.rank == 0 else None, float(idle_poll_s))
         self._dcr_follow(version)
         return version
 
@@ -245,8 +346,13 @@ class DCRWorkerExtension:
             weights.update(load_file(str(f)))
         read_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with torch.no_grad():
-            self.model_runner.model.load_weights(iter(sorted(weights.items())))
+        model = self.model_runner.model
+        with torch.no_grad(), _LoaderLayout(model):
+            model.load_weights(iter(sorted(weights.items())))
+        if not hasattr(self, "_dcr_layers"):  # (not attached yet: what the repack needs)
+            self._dcr_layers = self._linear_layers(model)
+            self._dcr_moe = {m._dcr_raw[n].untyped_storage().data_ptr(): m for m in _LoaderLayout(model).layers
+                             for n in _EXPERTS}
         load_s = time.perf_counter() - t0
         repack_s = self._repack(None)
         if following:
@@ -259,18 +365,24 @@ class DCRWorkerExtension:
 
     def _repack(self, names: set[str] | None) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote (names: the
-        canonical tensors changed; None: every layer)."""
-        if not self._dcr_layers:
+        canonical tensors changed; None: every layer), linear layers and prepacked experts."""
+        moe = getattr(self, "_dcr_moe", {})
+        if not self._dcr_layers and not moe:
             return 0.0
-        from vllm.model_executor.layers import utils
-
-        layers = list(self._dcr_layers.values())
+        layers, experts = list(self._dcr_layers.values()), list({id(m): m for m in moe.values()}.values())
         if names is not None:
             keys = self._dcr_target.destinations(names)
             layers = [m for k, m in self._dcr_layers.items() if k in keys]
+            experts = list({id(m): m for k, m in moe.items() if k in keys}.values())
         t0 = time.perf_counter()
-        for m in layers:
-            utils._dcr_dispatch(m, remove_weight=False)
+        if layers:
+            from vllm.model_executor.layers import utils
+
+            for m in layers:
+                utils._dcr_dispatch(m, remove_weight=False)
+        with torch.no_grad():
+            for m in experts:
+                m._dcr_pack()
         return time.perf_counter() - t0
 
     def dcr_version(self) -> int:

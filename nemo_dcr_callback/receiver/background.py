@@ -179,6 +179,8 @@ class BackgroundFollower:
         while True:
             if self.error is not None:
                 raise RuntimeError(f"the background follower stopped: {self.error}") from self.error
+            if until is not None and self.version >= until:
+                break  # (the next version may be ready already: it stays for the next call)
             try:
                 job = self._jobs.get(timeout=0.05 if wait else 0)
             except queue.Empty:

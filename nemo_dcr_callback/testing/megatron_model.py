@@ -28,6 +28,7 @@ class TinyGPTConfig:
     norm_eps: float = 1e-5
     params_dtype: str = "bfloat16"
     init_method_std: float = 0.02
+    add_qkv_bias: bool = False  # Qwen2's attention biases (with dcr.family=qwen2)
     # mixtures of experts (megatron-core's names; None: a dense MLP)
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -101,7 +102,8 @@ def transformer_config(cfg: TinyGPTConfig, tp: int, pp: int):
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         use_cpu_initialization=True, params_dtype=dt, pipeline_dtype=dt, bf16=dt == torch.bfloat16,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=cfg.norm_eps,
-        add_bias_linear=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        add_bias_linear=False, add_qkv_bias=cfg.add_qkv_bias, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_method_std,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
@@ -154,6 +156,9 @@ def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
                   torch_dtype=cfg.params_dtype)
     moe_f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
     head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=cfg.num_query_groups,
+                                        intermediate_size=cfg.ffn_hidden_size)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common, num_key_value_heads=cfg.num_query_groups, head_dim=head_dim,

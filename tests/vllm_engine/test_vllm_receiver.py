@@ -47,18 +47,24 @@ def _states(tmp_path, family: str = "llama"):
     states = [{k: v.clone() for k, v in model.state_dict().items() if k not in tied}]
     for v in range(VERSIONS + 1):
         if v:
-            nxt = {}
-            for k, t in states[-1].items():
-                x = t.float()
-                m = torch.rand(t.shape, generator=g) < 0.03
-                x[m] *= 1 + 0.05 * torch.randn(int(m.sum()), generator=g)
-                nxt[k] = x.to(torch.bfloat16)
+            nxt = _step(states[-1], g)
             states.append(nxt)
             model.load_state_dict(nxt, strict=not tied)
         d = tmp_path / f"v{v}"
         model.save_pretrained(d)
         dirs.append(d)
     return states, dirs
+
+
+def _step(state: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch.Tensor]:
+    """An optimizer-like step: 3% of every tensor's values scaled by 1 +- 5%."""
+    nxt = {}
+    for k, t in state.items():
+        x = t.float()
+        m = torch.rand(t.shape, generator=g) < 0.03
+        x[m] *= 1 + 0.05 * torch.randn(int(m.sum()), generator=g)
+        nxt[k] = x.to(t.dtype)
+    return nxt
 
 
 def _engine(model_dir, max_model_len: int = 128, tp: int = 1):

@@ -1,6 +1,7 @@
 """Issue 33: the trainer to a vLLM engine. scripts/train.py's recipe on 4 CPU ranks (TP 2 x
 PP 2, Lightning + megatron-core + the DCR callback) publishes 5 versions of a Llama-style GPT
-with GQA, untied embeddings and a vocabulary Megatron pads (250 -> 256). A vLLM engine started
+with GQA, untied embeddings and a vocabulary Megatron pads (250 -> 256); the same as a Qwen2
+(attention QKV biases, served by vLLM's Qwen2ForCausalLM). A vLLM engine started
 from the store's keyframe (version 0) follows them; after each version a fresh engine loaded
 from that version's dense export (written by dcr.verify: gather, convert) must hold the same
 parameters bit for bit, in vLLM's fused layout, and generate the same tokens and logprobs."""
@@ -32,9 +33,14 @@ def _export(store: FileStore, key: str, out: Path) -> Path:
     return out
 
 
-def test_training_tp2_pp2_to_a_vllm_engine(tmp_path):
+FAMILIES = {"llama": [], "qwen2": ["model.add_qkv_bias=true", "dcr.family=qwen2"]}  # qwen2: QKV biases
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_tp2_pp2_to_a_vllm_engine(tmp_path, family):
     store_dir = tmp_path / "store"
     cmd = torchrun_cmd(4, ["-m", "nemo_dcr_callback.recipes.train", f"hydra.run.dir={tmp_path / 'run'}", *TINY,
+                           *FAMILIES[family],
                            "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
                            f"trainer.max_steps={VERSIONS}", f"dcr.store=file://{store_dir}", "dcr.verify=true"])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
