@@ -125,6 +125,11 @@ class _LoaderLayout:
                     m.register_parameter(n, saved[n])
 
 
+def _expert_layers(layout: _LoaderLayout) -> dict[int, torch.nn.Module]:
+    """Layers whose experts vLLM prepacked, by their loader-layout weights' storages."""
+    return {m._dcr_raw[n].untyped_storage().data_ptr(): m for m in layout.layers for n in _EXPERTS}
+
+
 _keep_cpu_weights()
 _keep_raw_experts()
 
@@ -218,7 +223,13 @@ class ShardedLoaderTarget(LoaderTarget):
             self.summed = sorted(group.union(local))
             for n in self.summed:  # (every rank, the same order)
                 self._owned[n] = group.owned(self.held(n))
-            digests = group.sum64([self.partial_digest(n, self._owned[n]) for n in self.summed])
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Take the summed digests afresh (a collective: every rank calls it), e.g. after
+        weights were loaded by other means."""
+        if self.summed:
+            digests = self.group.sum64([self.partial_digest(n, self._owned[n]) for n in self.summed])
             self._summed_digest = dict(zip(self.summed, digests, strict=True))
 
     def digest_of(self, name: str) -> int | None:
@@ -270,7 +281,7 @@ class DCRWorkerExtension:
 
         with layout:  # (the loader's copies are learned into the loader-layout experts)
             target = ShardedLoaderTarget(model, load, _checkpoint_shapes(model_dir), group)
-        self._dcr_moe = {m._dcr_raw[n].untyped_storage().data_ptr(): m for m in layout.layers for n in _EXPERTS}
+        self._dcr_moe = _expert_layers(layout)
         refused = sorted(n for n, ok in target.plain.items() if not ok)
         if refused:
             raise ValueError(f"vLLM's loader does not copy {refused[0]!r} (and {len(refused) - 1} more) as a plain "
@@ -351,15 +362,11 @@ class DCRWorkerExtension:
             model.load_weights(iter(sorted(weights.items())))
         if not hasattr(self, "_dcr_layers"):  # (not attached yet: what the repack needs)
             self._dcr_layers = self._linear_layers(model)
-            self._dcr_moe = {m._dcr_raw[n].untyped_storage().data_ptr(): m for m in _LoaderLayout(model).layers
-                             for n in _EXPERTS}
+            self._dcr_moe = _expert_layers(_LoaderLayout(model))
         load_s = time.perf_counter() - t0
         repack_s = self._repack(None)
         if following:
-            t = self._dcr_target
-            if t.summed:  # the partial digests taken afresh
-                sums = t.group.sum64([t.partial_digest(n, t._owned[n]) for n in t.summed])
-                t._summed_digest = dict(zip(t.summed, sums, strict=True))
+            self._dcr_target.refresh()
             self._dcr_follow(int(version))
         return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 

@@ -20,6 +20,8 @@ import time
 import urllib.error
 import urllib.request
 
+from nemo_dcr_callback.receiver.main import _emit
+
 EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
 
 
@@ -80,7 +82,7 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
     try:
         _wait_up(base, proc, startup_timeout)
         rpc(base, "dcr_attach", store_url=store_url, receiver_id=receiver_id or "", version=version)
-        _say(json_lines, f"receiver: vllm serve at {base} holds version {version}, following {store_url}",
+        _emit(json_lines, f"receiver: vllm serve at {base} holds version {version}, following {store_url}",
              event="ready", url=base, version=version)
         held, said = version, None
         while until is None or held < until:
@@ -90,13 +92,13 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
             first = got[0]
             if first["refused"] and first["refused"] != said:  # (refused again at each retry: said once)
                 said = first["refused"]
-                _say(json_lines, f"receiver: refused {first['refused']}; serving version {first['version']}",
+                _emit(json_lines, f"receiver: refused {first['refused']}; serving version {first['version']}",
                      event="refused", version=first["version"], error=first["refused"])
             if first["applied"]:
                 _post(base, "/reset_prefix_cache")  # cached KV was computed with the old weights
                 held = first["version"]
                 pause = max(g["pause_s"] for g in got)
-                _say(json_lines, f"receiver: version {held} applied in place: pause {1e3 * pause:.1f} ms "
+                _emit(json_lines, f"receiver: version {held} applied in place: pause {1e3 * pause:.1f} ms "
                      f"(load {1e3 * first['load_s']:.1f}, repack {1e3 * first['repack_s']:.1f}), fetch+decode "
                      f"{1e3 * first['fetch_decode_s']:.1f} ms in the background",
                      event="applied", version=held, applied=first["applied"], pause_ms=round(1e3 * pause, 3),
@@ -117,6 +119,3 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
                 proc.kill()
                 proc.wait()
 
-
-def _say(json_lines: bool, text: str, **fields) -> None:
-    print(json.dumps(fields) if json_lines else text, flush=True)

@@ -33,7 +33,6 @@ class _Job:
     settled: threading.Event = field(default_factory=threading.Event)  # the follower checked it (or refused)
     terms: dict | None = None
     error: BaseException | None = None
-    load_s: float = 0.0
 
 
 class _Handoff:
@@ -113,13 +112,15 @@ class BackgroundFollower:
         with self._lock:
             self._refusal_seq += 1
             self._last_refusal = f"version {v}: {exc}"
-        job, self._current = self._current, None
-        if job is not None:
-            job.settled.set()
+        self._release()
 
     def _settle(self, a: Applied) -> None:
         with self._lock:
             self._applied.append(a)
+        self._release()
+
+    def _release(self) -> None:
+        """The follower is done with the version handed over (applied and checked, or not)."""
         job, self._current = self._current, None
         if job is not None:
             job.settled.set()
@@ -146,9 +147,7 @@ class BackgroundFollower:
                 pause = self.idle_poll_s
             except BaseException as exc:  # noqa: BLE001 - kept for the serving thread to raise
                 self.error = exc
-                job, self._current = self._current, None
-                if job is not None:
-                    job.settled.set()
+                self._release()
                 return
             streaming = bool(f._parts)
             pause = f.poll_s if applied or streaming else backoff(pause, f.poll_s, self.idle_poll_s)
@@ -191,8 +190,7 @@ class BackgroundFollower:
                     job.terms = self.target.apply_with_terms(job.decoded)
                 except BaseException as exc:  # noqa: BLE001 - the follower raises it (nothing more applied)
                     job.error = exc
-                job.load_s = time.perf_counter() - t0
-                load_s += job.load_s
+                load_s += time.perf_counter() - t0
                 changed.update(d.header.name for d in job.decoded)
                 job.applied.set()
                 if not job.settled.wait(timeout=60):

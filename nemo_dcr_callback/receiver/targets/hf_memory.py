@@ -25,11 +25,11 @@ _EXPERTS = (
 )
 _MIXTRAL = (
     (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight",
-     "model.layers.{0}.mlp.experts.gate_up_proj", 0, 2),
+     _FUSED + "gate_up_proj", 0, 2),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight",
      "model.layers.{0}.mlp.experts.gate_up_proj", 1, 2),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight",
-     "model.layers.{0}.mlp.experts.down_proj", 0, 1),
+     _FUSED + "down_proj", 0, 1),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "model.layers.{0}.mlp.gate.weight", None, None),
 )
 MEMORY_LAYOUTS: dict[str, tuple] = {"qwen3_moe": _EXPERTS, "deepseek_v3": _EXPERTS, "qwen2_moe": _EXPERTS,

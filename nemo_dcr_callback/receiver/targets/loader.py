@@ -290,11 +290,14 @@ class LoaderTarget:
     def canonical(self, name: str) -> torch.Tensor | None:
         """The canonical tensor as the model holds it now (a copy, read through the loader's
         copies), or None if they do not cover it."""
-        if name not in self._whole:
-            return None
-        out = torch.empty(self.numel(name), dtype=self.shapes[name][1])
+        return self._gather(name) if name in self._whole else None
+
+    def _gather(self, name: str) -> torch.Tensor:
+        """The canonical tensor's elements the model holds, read through the loader's copies
+        (zero where it holds none; a tensor held whole is not cleared first)."""
+        out = (torch.empty if name in self._whole else torch.zeros)(self.numel(name), dtype=self.shapes[name][1])
         with torch.no_grad():
-            for v in self._views[name]:
+            for v in self._views.get(name, []):
                 out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
         return out
 
@@ -310,13 +313,9 @@ class LoaderTarget:
         """The digest terms of the canonical elements the model holds (of those in `owned`, a
         bool per element, if given): the ranks of a tensor-parallel group sum theirs to the
         tensor's digest, each element counted by exactly one rank."""
-        out = torch.zeros(self.numel(name), dtype=self.shapes[name][1])
-        with torch.no_grad():
-            for v in self._views.get(name, []):
-                out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
         mask = self.held(name) if owned is None else owned
         pos = torch.nonzero(mask).reshape(-1)
-        return digest.sum64(out[pos], positions=pos)
+        return digest.sum64(self._gather(name)[pos], positions=pos)
 
     def destinations(self, names) -> set[int]:
         """The model storages (untyped_storage().data_ptr()) the loader writes these canonical
