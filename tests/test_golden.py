@@ -1,5 +1,6 @@
 """The delta format is fixed: files written by an earlier build still decode to the same bits,
-and a fresh diff of the same pair writes the same bytes (tests/golden/README.md)."""
+a fresh diff of the same pair writes the same bytes, and files of the previous format version
+are refused by name (tests/golden/README.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 GOLDEN = Path(__file__).parent / "golden"
 CLI = str(Path(sys.executable).parent / "nemo-dcr")
-CASES = [("delta.dcr", []), ("delta_span512.dcr", ["--chunk-span", "512"])]
+CASES = [("delta_v2.dcr", []), ("delta_v2_span512.dcr", ["--chunk-span", "512"])]
 
 
 def tree(p: Path) -> dict[str, str]:
@@ -32,3 +33,11 @@ def test_golden_delta_patches_to_new(tmp_path, name):
     p = subprocess.run([CLI, "patch", GOLDEN / "old", GOLDEN / name, "-o", out], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert tree(out) == tree(GOLDEN / "new")
+
+
+@pytest.mark.parametrize("name", ["delta_v1.dcr", "delta_v1_span512.dcr"])
+def test_version_1_delta_is_refused_by_name(tmp_path, name):
+    out = tmp_path / "out"
+    p = subprocess.run([CLI, "patch", GOLDEN / "old", GOLDEN / name, "-o", out], capture_output=True, text=True)
+    assert p.returncode == 2 and "version 1" in p.stderr and "reads 2" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()

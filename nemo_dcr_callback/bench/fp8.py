@@ -54,75 +54,17 @@ def ulp_step(state: dict[str, torch.Tensor], rate: float, seed: int = 1) -> dict
 
 
 def real_gradient_pairs(rates: tuple[float, ...], steps: int = 6, seed: int = 0) -> dict[float, tuple]:
-    """(old, new) BF16 linear weights of a small transformers Llama after `steps` AdamW steps on
-    fp32 master weights, the next step's learning rate searched per target change rate."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """(old, new, last lr, rate) of the BF16 linear weights of a small transformers Llama after
+    `steps` AdamW steps on fp32 master weights (bench/corpus.py), per target change rate."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
+    from nemo_dcr_callback.bench import corpus
+
     cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, vocab_size=2000, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg)  # fp32 master weights
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    walk = torch.randint(0, 2000, (2000,), generator=g)  # a fixed token walk to learn: real gradients
-
-    def batch():
-        starts = torch.randint(0, 2000 - 65, (8,), generator=g)
-        return torch.stack([walk[s:s + 65] for s in starts.tolist()])
-
-    def step(lr: float | None = None):
-        x = batch()
-        loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
-        opt.zero_grad()
-        loss.backward()
-        if lr is not None:
-            for gr in opt.param_groups:
-                gr["lr"] = lr
-        opt.step()
-
-    for _ in range(steps):
-        step()
-    names = [n for n, _ in model.named_parameters() if any(f".{p}." in n for p in LINEAR)]
-    master = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt_state = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
-                 for k, v in opt.state_dict()["state"].items()}
-    x_last = batch()
-    old = {n: master[n].to(torch.bfloat16) for n in names}
-
-    def trial(lr: float) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(master[n])
-        sd = opt.state_dict()
-        sd["state"] = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
-                       for k, v in opt_state.items()}
-        opt.load_state_dict(sd)
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        loss = model(input_ids=x_last[:, :-1], labels=x_last[:, 1:]).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        params = dict(model.named_parameters())
-        return {n: params[n].detach().to(torch.bfloat16) for n in names}
-
-    def rate_of(new) -> float:
-        return sum(int((new[n].view(torch.int16) != old[n].view(torch.int16)).sum()) for n in names) / \
-            sum(old[n].numel() for n in names)
-
-    out = {}
-    for target in rates:
-        lo, hi = 1e-7, 1e-2
-        for _ in range(24):  # bisection in log space on the last step's learning rate
-            mid = (lo * hi) ** 0.5
-            new = trial(mid)
-            if rate_of(new) < target:
-                lo = mid
-            else:
-                hi = mid
-        new = trial(hi)
-        out[target] = (old, new, hi, rate_of(new))
-    return out
+    got = corpus.pairs("llama", rates, steps, seed, names_filter=lambda n: any(f".{p}." in n for p in LINEAR),
+                       config=cfg)
+    return {p.target: (p.old, p.new, p.lr, p.rate) for p in got}
 
 
 def _blocks_changed(old: dict, new: dict) -> tuple[int, int]:

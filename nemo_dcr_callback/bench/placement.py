@@ -130,7 +130,8 @@ def _encode(placement, rate: float, seed: int) -> dict:
     header = sum(h.payload_offset + 8 for h in heads)  # (+ the 8-byte checksum)
     digests = len(json.dumps({n: "0" * 16 for n in placement.canonical}))  # the rank manifest's digest map
     total = sum(map(len, chunks))
-    return {"chunks": len(chunks), "tensors": len({h.name for h in heads}), "payload_bytes": total - header,
+    names = {p.name for h in heads for p in h.parts()}
+    return {"chunks": len(chunks), "tensors": len(names), "payload_bytes": total - header,
             "header_bytes": header, "digest_bytes": digests, "encode_s": encode_s,
             "overhead": (header + digests) / max(1, total - header)}
 

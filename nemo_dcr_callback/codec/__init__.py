@@ -7,7 +7,8 @@ is its reference implementation:
 
   format   header layout, enums, dtype table, checksum, header parsing and chunk splitting
   encode   changes -> chunks (the generic path and the fused compiled encoders)
-  decode   chunks -> verified positions and values, applied to a tensor
+  decode   chunks -> verified positions and values, applied to a tensor (a batched chunk:
+           one set per tensor it holds)
   bounds   information bounds a delta's size is measured against
   streams  the stream transforms under the chunk (gaps, planes, tokens, rANS)
   digest   additive tensor digests a receiver checks after a version
@@ -19,8 +20,16 @@ from __future__ import annotations
 
 from nemo_dcr_callback.codec import digest, streams
 from nemo_dcr_callback.codec.bounds import delta_bound_bits, entropy_bits, position_bound_bits, values_info_bits
-from nemo_dcr_callback.codec.decode import DecodedChunk, apply_chunk, apply_decoded, check_target, decode_chunk
+from nemo_dcr_callback.codec.decode import (
+    DecodedChunk,
+    apply_chunk,
+    apply_decoded,
+    check_target,
+    decode_chunk,
+    decode_parts,
+)
 from nemo_dcr_callback.codec.encode import (
+    encode_batch,
     encode_chunk,
     encode_delta,
     encode_overwrite,
@@ -59,6 +68,7 @@ __all__ = [
     "BY_CODE", "BY_NAME", "BY_TORCH", "DEFAULT_CHUNK_SPAN", "DTYPES", "FORMAT_VERSION", "MAGIC", "MAX_NAME",
     "RANS", "STORED", "ZSTD", "ChunkError", "ChunkHeader", "DType", "DecodedChunk", "GapMode", "Kind", "Layout",
     "ValueMode", "apply_chunk", "apply_decoded", "check_target", "checksum", "chunk_end", "decode_chunk",
+    "decode_parts", "encode_batch",
     "delta_bound_bits", "digest", "dtype_info", "encode_chunk", "encode_delta", "encode_overwrite",
     "encode_sparse", "encode_xor_slice", "entropy_bits", "parse_header", "position_bound_bits", "split_chunks",
     "split_ranges", "streams", "tensor_digest", "values_info_bits",

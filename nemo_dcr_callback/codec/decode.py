@@ -8,15 +8,34 @@ untouched.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zstandard
 
-from nemo_dcr_callback.codec.format import ZSTD, ChunkError, ChunkHeader, Kind, Layout, ValueMode, parse_header
-from nemo_dcr_callback.codec.streams import GapMode, StreamError, decode_gaps, join_planes, token_values
-from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, index_dtype, scatter
+from nemo_dcr_callback.codec import context
+from nemo_dcr_callback.codec.format import (
+    RANS,
+    ZSTD,
+    ChunkError,
+    ChunkHeader,
+    Kind,
+    Layout,
+    ValueMode,
+    parse_header,
+)
+from nemo_dcr_callback.codec.streams import (
+    GapMode,
+    StreamError,
+    ans_decode,
+    decode_gaps,
+    join_planes,
+    join_tokens,
+    token_values,
+)
+from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, index_dtype, scatter
 
 _tls = threading.local()
 
@@ -69,17 +88,16 @@ class DecodedChunk:
         return OP_ULP if h.value_mode == ValueMode.ULP else OP_XOR
 
 
-def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None) -> DecodedChunk:
-    """Verify and decode a chunk; raises ChunkError on anything malformed.
+OldBits = Callable[[ChunkHeader], torch.Tensor]  # a tensor's header -> the receiver's flat tensor
 
-    Memory is bounded by the header's count (<= numel): callers that know the target check
-    the header against it first (apply_chunk does), so a hostile numel never allocates.
-    """
-    mv = memoryview(buf)
-    h = header or parse_header(mv)
+
+def _decode(mv: memoryview, h: ChunkHeader, old: OldBits | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, values) of every change the chunk carries (a batch: in its concatenation)."""
     try:
         st = _streams(mv, h)
         idt = index_dtype(h.numel)
+        if h.classes:
+            return _decode_context(h, st, old, idt)
         if h.gap_mode == GapMode.DENSE:
             pos = torch.arange(h.lo, h.hi, dtype=idt)
         else:
@@ -87,11 +105,73 @@ def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None) -> 
         bdt = BITS_DTYPE[h.dtype.width]
         if h.layout == Layout.PLANES:
             vals = join_planes(np.concatenate(st) if st else np.empty(0, np.uint8), h.count, bdt)
-        else:
+        elif h.streams[-2][2] == RANS:
             vals = token_values(st[0], h.count, st[1], bdt)
+        else:  # tokens stored as they are (a handful of changes: a rANS table would cost more)
+            vals = join_tokens(st[0], st[1], bdt)
     except StreamError as exc:
-        raise ChunkError(f"chunk for {h.name!r}: {exc}") from None
+        raise ChunkError(f"chunk for {h.name or f'{len(h.members)} tensors'!r}: {exc}") from None
+    return pos, vals
+
+
+def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
+                    idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-coded chunk: the classes come from the old bits of its whole range."""
+    what = h.name or f"{len(h.members)} tensors"
+    if old is None:
+        raise ChunkError(f"chunk for {what!r} is context-coded: decoding it needs the receiver's old bits, and "
+                         "this path does not pass them")
+    if h.members:
+        old_bits = torch.cat([bits(old(m)).reshape(-1) for m in h.members])
+    else:
+        old_bits = bits(old(h)).reshape(-1)[h.lo:h.hi]
+    if old_bits.numel() != h.hi - h.lo:
+        raise ChunkError(f"chunk for {what!r} spans {h.hi - h.lo} positions, the receiver's tensor(s) hold "
+                         f"{old_bits.numel()}")
+    k = h.classes
+    raw = [s[0] for s in h.streams]
+    codecs = [s[2] for s in h.streams]
+    dec = [ans_decode(st[i], raw[i]) if codecs[i] == RANS else st[i] for i in range(len(st))]
+    exp_all = context.exponents(old_bits, h.dtype.name)
+    return context.join(dec[0], exp_all, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1], BITS_DTYPE[h.dtype.width], idt)
+
+
+def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None, old: OldBits | None = None
+                 ) -> DecodedChunk:
+    """Verify and decode a one-tensor chunk; raises ChunkError on anything malformed (and on a
+    batched chunk: decode_parts decodes those).
+
+    Memory is bounded by the header's count (<= numel): callers that know the target check
+    the header against it first (apply_chunk does), so a hostile numel never allocates.
+    """
+    mv = memoryview(buf)
+    h = header or parse_header(mv)
+    if h.batched:
+        raise ChunkError(f"a batched chunk of {len(h.members)} tensors (decode it with decode_parts)")
+    pos, vals = _decode(mv, h, old)
     return DecodedChunk(h, pos, vals)
+
+
+def decode_parts(buf: bytes | memoryview, header: ChunkHeader | None = None, old: OldBits | None = None
+                 ) -> list[DecodedChunk]:
+    """Verify and decode a chunk into one DecodedChunk per tensor it writes (a batched chunk's
+    members, each in its own tensor's positions; else the chunk itself). old: a tensor's
+    header -> the receiver's flat tensor, which a context-coded chunk needs (read only)."""
+    mv = memoryview(buf)
+    h = header or parse_header(mv)
+    if not h.batched:
+        return [decode_chunk(mv, h, old)]
+    pos, vals = _decode(mv, h, old)
+    ends = torch.tensor([m.offset + m.numel for m in h.members], dtype=torch.int64)
+    cut = torch.searchsorted(pos.to(torch.int64), ends).tolist()
+    out, s = [], 0
+    for m, e in zip(h.members, cut, strict=True):
+        if e - s != m.count:
+            raise ChunkError(f"batched chunk: member {m.name!r} declares {m.count} changes, its range holds "
+                             f"{e - s} (corrupt chunk)")
+        out.append(DecodedChunk(m, (pos[s:e] - m.offset).to(index_dtype(m.numel)), vals[s:e]))
+        s = e
+    return out
 
 
 def check_target(h: ChunkHeader, target: torch.Tensor, name: str | None) -> None:
@@ -115,6 +195,8 @@ def apply_chunk(buf: bytes | memoryview, target: torch.Tensor, name: str | None 
     Raises ChunkError, with target untouched, on any corruption or mismatch.
     """
     h = parse_header(buf)
+    if h.batched:
+        raise ChunkError(f"a batched chunk of {len(h.members)} tensors, not one tensor's (apply its parts)")
     check_target(h, target, name)
     apply_decoded(decode_chunk(buf, h), target)
     return h

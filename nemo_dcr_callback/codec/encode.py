@@ -17,10 +17,11 @@ import numpy as np
 import torch
 import zstandard
 
-from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec import context, digest
 from nemo_dcr_callback.codec.bounds import entropy_bits
 from nemo_dcr_callback.codec.format import (
     DEFAULT_CHUNK_SPAN,
+    MAX_MEMBERS,
     MAX_NAME,
     RANS,
     STORED,
@@ -32,9 +33,11 @@ from nemo_dcr_callback.codec.format import (
     ValueMode,
     assemble_chunk,
     dtype_info,
+    member_table,
 )
 from nemo_dcr_callback.codec.streams import (
     GapMode,
+    ans_decode,
     ans_encode,
     encode_gaps,
     gap_bound,
@@ -83,7 +86,18 @@ def _value_streams(vals: torch.Tensor, vm: ValueMode, layout: Layout, new_values
         return out
     tok, esc, _ = tokens_done or tokens(vals, ulp, new_values)
     epacked, ecodec = _pack_stream(esc, level)
-    return [(tok.size, ans_encode(tok), RANS), (esc.size, epacked, ecodec)]
+    return [_token_stream(tok, ans_encode(tok)), (esc.size, epacked, ecodec)]
+
+
+def _token_stream(tok: np.ndarray | None, coded: bytes, count: int | None = None) -> Stream:
+    """The token stream rANS-coded, or stored where that is smaller (a handful of changes:
+    the rANS table and states alone are 40-100 bytes)."""
+    count = tok.size if tok is not None else count
+    if len(coded) < count:
+        return (count, coded, RANS)
+    if tok is None:
+        tok = ans_decode(coded, count)
+    return (count, tok.tobytes(), STORED)
 
 
 # --------------------------------------------------------------------------- one chunk
@@ -199,6 +213,7 @@ def encode_chunk(
     level: int = 1,
     exhaustive: bool = False,
     terms: list[int] | None = None,
+    old: torch.Tensor | None = None,
 ) -> bytes:
     """Encode the changes of tensor `name` in [lo, hi) as one chunk.
 
@@ -213,12 +228,57 @@ def encode_chunk(
     elements, added to in place, so a sender moves its digests without a second pass.
     With the compiled library and the default candidates, an XOR chunk of floats takes the
     fused path (dcr_encode_xor: one call for gaps, tokens, rANS and digest terms).
+    old: the receiver's bits of [lo, hi) (the tensor before the change): the context-modelled
+    coding (codec/context.py) is tried beside the plain one and the smaller kept.
     """
     info = dtype_info(dtype)
     count, vals, positions = _checked_inputs(name, info, numel, lo, hi, positions, values)
-    gap_cands = _gap_candidates(positions, gap_modes, lo, hi, count)
     if terms is not None and (kind != Kind.XOR or new_values is None):
         raise ValueError("digest terms need an XOR chunk with its new values")
+    gm, vm, lay, streams = _encode_streams(kind, info, lo, hi, count, positions, vals, new_values, value_modes,
+                                           layouts, gap_modes, level, exhaustive, terms)
+    plain = assemble_chunk(name, kind, info, gm, vm, lay, numel, lo, hi, count, streams)
+    if old is None or not _ctx_applies(kind, info, positions, new_values, count):
+        return plain
+    ctx = _ctx_streams(info, lo, hi, positions, vals, bits(new_values.contiguous()), bits(old.contiguous()), level)
+    coded = assemble_chunk(name, kind, info, GapMode.GAP8, ctx[0], Layout.TOKENS, numel, lo, hi, count, ctx[2],
+                           classes=ctx[1])
+    return coded if len(coded) < len(plain) else plain
+
+
+def _ctx_applies(kind: Kind, info: DType, positions, new_values, count: int) -> bool:
+    return (kind == Kind.XOR and positions is not None and new_values is not None and count > 0
+            and context.supported(info.name))
+
+
+def _ctx_streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor,
+                 old_bits: torch.Tensor, level: int) -> tuple[ValueMode, int, list[Stream]]:
+    """(value coding, classes, streams) of the context-modelled coding of the changes at
+    positions in [lo, hi), given the old bits of [lo, hi)."""
+    if old_bits.numel() != hi - lo:
+        raise ValueError(f"old bits cover {old_bits.numel()} positions, the range {hi - lo}")
+    exp_all = context.exponents(old_bits, info.name)
+    p = positions.to(torch.int64).numpy() - lo
+    done = tokens(vals, True, nv)
+    vm = _ranked_modes(done[2], (ValueMode.RAW, ValueMode.ULP), info.width, False)[0]
+    tok, esc, _ = done if vm == ValueMode.ULP else tokens(vals, False, nv)
+    cls_map = context.choose_classes(exp_all, exp_all[p], tok, context.map_size(info.name))
+    k, gaps, toks = context.split(p, tok, cls_map, exp_all)
+    streams: list[Stream] = [(cls_map.size, *_pack_stream(cls_map, level))]
+    for g in gaps:
+        packed, codec = _pack_stream(g, level)
+        coded = ans_encode(g) if g.size else b""
+        streams.append((g.size, coded, RANS) if g.size and len(coded) < len(packed) else (g.size, packed, codec))
+    streams += [_token_stream(t, ans_encode(t)) for t in toks]
+    streams.append((esc.size, *_pack_stream(esc, level)))
+    return vm, k, streams
+
+
+def _encode_streams(kind: Kind, info: DType, lo: int, hi: int, count: int, positions: torch.Tensor | None,
+                    vals: torch.Tensor, new_values: torch.Tensor | None, value_modes, layouts, gap_modes, level: int,
+                    exhaustive: bool, terms: list[int] | None) -> tuple[GapMode, ValueMode, Layout, list[Stream]]:
+    """The codings chosen and the streams of the changes at positions in [lo, hi)."""
+    gap_cands = _gap_candidates(positions, gap_modes, lo, hi, count)
     fused = None
     lib = kernels.native()
     if lib is not None and _fused_applies(kind, info, positions, new_values, count, gap_cands, value_modes,
@@ -230,9 +290,50 @@ def encode_chunk(
     gm, gap_streams = _best_gaps(positions, gap_cands, lo, hi, level, None if fused is None else fused[0])
     if fused is not None and fused[1] is not None:
         _, vm, ans_b, esc = fused
-        return _fused_chunk(name, info, gm, gap_streams, vm, ans_b, esc, numel, lo, hi, count, level)
+        epacked, ecodec = _pack_stream(esc, level)
+        return gm, vm, Layout.TOKENS, gap_streams + [_token_stream(None, ans_b, count), (esc.size, epacked, ecodec)]
     vm, lay, val_streams = _best_values(vals, kind, info, new_values, value_modes, layouts, exhaustive, level)
-    return assemble_chunk(name, kind, info, gm, vm, lay, numel, lo, hi, count, gap_streams + val_streams)
+    return gm, vm, lay, gap_streams + val_streams
+
+
+def encode_batch(dtype: torch.dtype, members: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]], *,
+                 level: int = 1, olds: list[torch.Tensor] | None = None) -> bytes:
+    """One XOR chunk for the changes of several small tensors of one dtype: members are
+    (name, numel, sorted positions, XOR values, new values). Their position spaces are
+    concatenated, so the tensors share one header, one gap stream and one set of value
+    streams (one rANS table); a member table names each tensor with its numel and change
+    count. For checkpoints of many small tensors (norms, biases, experts), where a chunk
+    of its own costs a tensor more in header and tables than its changes."""
+    info = dtype_info(dtype)
+    if not members or len(members) > MAX_MEMBERS:
+        raise ValueError(f"a batch holds 1 to {MAX_MEMBERS} tensors, not {len(members)}")
+    pos, vals, nv, off = [], [], [], 0
+    for name, numel, p, x, n in members:
+        if p.numel() != x.numel() or x.numel() != n.numel() or x.element_size() != info.width:
+            raise ValueError(f"batch member {name!r}: positions and values do not match")
+        if p.numel() and (int(p[0]) < 0 or int(p[-1]) >= numel):
+            raise ValueError(f"batch member {name!r}: positions outside its {numel} elements")
+        pos.append(p.to(torch.int64) + off)
+        vals.append(bits(x.contiguous()))
+        nv.append(bits(n.contiguous()))
+        off += numel
+    positions = torch.cat(pos)
+    if off < 1 << 31:
+        positions = positions.to(torch.int32)
+    count = positions.numel()
+    gm, vm, lay, streams = _encode_streams(Kind.XOR, info, 0, off, count, positions, torch.cat(vals), torch.cat(nv),
+                                           None, None, None, level, False, None)
+    table = member_table([(name, numel, p.numel()) for name, numel, p, _, _ in members])
+    packed, codec = _pack_stream(table, max(level, 3))
+    head = (len(members), packed, codec, len(table))
+    plain = assemble_chunk("", Kind.XOR, info, gm, vm, lay, off, 0, off, count, streams, members=head)
+    if olds is None or not _ctx_applies(Kind.XOR, info, positions, nv, count):
+        return plain
+    old_bits = torch.cat([bits(o.contiguous()).reshape(-1) for o in olds])
+    vm, k, streams = _ctx_streams(info, 0, off, positions, torch.cat(vals), torch.cat(nv), old_bits, level)
+    coded = assemble_chunk("", Kind.XOR, info, GapMode.GAP8, vm, Layout.TOKENS, off, 0, off, count, streams,
+                           members=head, classes=k)
+    return coded if len(coded) < len(plain) else plain
 
 
 # --------------------------------------------------------------------------- fused encoders
@@ -286,7 +387,7 @@ def _fused_chunk(name: str, info: DType, gm: GapMode, gap_streams: list[Stream],
     already packed, the rANS tokens, the escapes zstd-packed here)."""
     epacked, ecodec = _pack_stream(esc, level)
     return assemble_chunk(name, Kind.XOR, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
-                          gap_streams + [(count, ans, RANS), (esc.size, epacked, ecodec)])
+                          gap_streams + [_token_stream(None, ans, count), (esc.size, epacked, ecodec)])
 
 
 _REC = 13  # dcr_encode_slice's record per chunk (see the C source)
@@ -359,29 +460,33 @@ def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_
 def encode_sparse(name: str, kind: Kind, dtype: torch.dtype, numel: int, positions: torch.Tensor,
                   values: torch.Tensor, new_values: torch.Tensor | None = None, *,
                   span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
-                  value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None) -> list[bytes]:
+                  value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None,
+                  old: torch.Tensor | None = None) -> list[bytes]:
     """Chunks for sorted positions of one tensor (split into ranges of `span` positions);
-    terms as in encode_chunk."""
+    terms and old (the whole tensor before the change) as in encode_chunk."""
     out = []
+    flat_old = None if old is None else old.reshape(-1)
     for lo, hi, s, e in split_ranges(positions, numel, span):
         if e > s:
             out.append(encode_chunk(name, kind, dtype, numel, lo, hi, positions[s:e], values[s:e],
                                     None if new_values is None else new_values[s:e],
-                                    value_modes=value_modes, level=level, terms=terms))
+                                    value_modes=value_modes, level=level, terms=terms,
+                                    old=None if flat_old is None else flat_old[lo:hi]))
     return out
 
 
 def encode_delta(name: str, delta: SparseDelta, new_tensor: torch.Tensor | None = None, *,
                  span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
-                 value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None) -> list[bytes]:
+                 value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None,
+                 old: torch.Tensor | None = None) -> list[bytes]:
     """XOR chunks for one tensor's delta. The new values (for ulp coding) come from
-    delta.new, or are gathered from new_tensor (the tensor's new bits) if given; terms as in
-    encode_chunk."""
+    delta.new, or are gathered from new_tensor (the tensor's new bits) if given; terms and old
+    as in encode_sparse."""
     new = delta.new
     if new is None and new_tensor is not None:
         new = bits(new_tensor)[delta.positions.to(torch.int64)]
     return encode_sparse(name, Kind.XOR, delta.dtype, delta.numel, delta.positions, delta.xor, new,
-                         span=span, level=level, value_modes=value_modes, terms=terms)
+                         span=span, level=level, value_modes=value_modes, terms=terms, old=old)
 
 
 def encode_overwrite(name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None, *,

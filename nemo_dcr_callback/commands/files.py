@@ -29,7 +29,7 @@ def print_stats(st: dict) -> None:
           f"(payload), {st['efficiency_whole_vs_xor_bound']:.3f} (whole file)")
     print(f"bound (ulp)        {_human(st['ulp_bound_bytes'])}  efficiency {st['efficiency_vs_ulp_bound']:.3f} "
           f"(payload), {st['efficiency_whole_vs_ulp_bound']:.3f} (whole file)")
-    print(f"beyond the payload {_human(st['non_payload_bytes'])} (manifest, chunk framing)")
+    print(f"beyond the payload {_human(st['non_payload_bytes'])} (manifest, file header and footer)")
 
 
 # ------------------------------------------------------------------------ diff
@@ -42,6 +42,8 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--level", type=int, default=1, help="zstd level for zstd-coded streams (default 1)")
     p.add_argument("--sign-key-env", default=None, metavar="VAR",
                    help="sign the delta (HMAC-SHA256) with the key in this environment variable")
+    p.add_argument("--no-context", action="store_true",
+                   help="plain coding only: never the context-modelled one (its decoder reads BASE's bits)")
     p.add_argument("-q", "--quiet", action="store_true")
 
 
@@ -51,7 +53,7 @@ def _diff(args: argparse.Namespace) -> int:
 
     key = signing_key(args.sign_key_env) if args.sign_key_env else None
     diff(args.old, args.new, args.output, span=args.chunk_span or DEFAULT_CHUNK_SPAN, level=args.level,
-         force=args.force, quiet=args.quiet, key=key)
+         force=args.force, quiet=args.quiet, key=key, context=not args.no_context)
     if not args.quiet:
         print_stats(stats(args.output))
     return 0

@@ -126,11 +126,13 @@ class Parts:
         self.terms = {}
 
 
-def _decode_checked(c: bytes | memoryview, check: Callable[[codec.ChunkHeader], None]) -> codec.DecodedChunk:
-    """One chunk of a part: its checksum and header verified, checked against the target, decoded."""
+def _decode_checked(c: bytes | memoryview, check: Callable[[codec.ChunkHeader], None]) -> list[codec.DecodedChunk]:
+    """One chunk of a part: its checksum and header verified, every tensor it writes checked
+    against the target, decoded (one DecodedChunk per tensor: a batched chunk holds several)."""
     h = codec.parse_header(c)
-    check(h)
-    return codec.decode_chunk(c, h)
+    for part in h.parts():
+        check(part)
+    return codec.decode_parts(c, h)
 
 
 class _PartDecoder:
@@ -156,7 +158,7 @@ class _PartDecoder:
                 if end is None or end > len(mv):
                     break
                 c = bytes(mv[self.off:end])  # a copy: the buffer grows under it
-            self.decoded.append(_decode_checked(c, self.check))
+            self.decoded += _decode_checked(c, self.check)
             self.off = end
         if self.off >= 1 << 20:  # drop the decoded bytes
             del self.buf[:self.off]
@@ -184,7 +186,7 @@ def fetch_part(store, key: str, check: Callable[[codec.ChunkHeader], None]) -> t
         blob = store.get(key)
     except KeyError:
         raise codec.ChunkError(f"{key}: part missing from the store") from None
-    decoded = [_decode_checked(c, check) for c in codec.split_chunks(blob)]
+    decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check)]
     return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
 
 

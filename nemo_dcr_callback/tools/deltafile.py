@@ -1,20 +1,20 @@
 """File-level deltas between two safetensors checkpoints (`nemo-dcr diff / patch / stats`).
 
-A delta file is the codec's chunks back to back, then a JSON manifest, then a fixed footer
-(docs/FORMAT.md): the writer streams chunks as they are encoded and needs no second pass.
-The manifest names every tensor of NEW with its dtype, shape, digests of the old and new
-bits and its chunks, plus each safetensors header of NEW verbatim, so `patch` rebuilds
-NEW's files byte for byte. Patching verifies everything it can before writing (manifest
-checksum, base digests), writes into a temporary path and renames it into place only when
-every tensor's new digest matched: a bad delta or a wrong base leaves nothing behind.
+A delta file is the codec's chunks back to back, then a zstd-compressed JSON manifest, then
+a fixed footer (docs/FORMAT.md): the writer streams chunks as they are encoded and needs no
+second pass. The manifest holds each safetensors header of NEW (or, where it equals BASE's,
+its digest only), per tensor in header order its mode, change count and chunks, and digests
+of the old and new bits, so `patch` rebuilds NEW's files byte for byte. Tensors with few
+changes share batched chunks (one header and one set of entropy tables for many norms,
+biases or experts). Patching verifies everything it can before writing (manifest checksum,
+base digest), writes into a temporary path and renames it into place only when the new
+bits' digest matched: a bad delta or a wrong base leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import math
 import os
 import shutil
 import struct
@@ -30,20 +30,27 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.bitops import bits
 from nemo_dcr_callback.sender.delta import take_delta
 from nemo_dcr_callback.tools.checkpoint import Checkpoint, CheckpointError, TensorEntry, write_safetensors
+from nemo_dcr_callback.tools.delta_manifest import (
+    MAX_MANIFEST,
+    VERSION,
+    DeltaError,
+    _check_room,
+    _entries_from_header,
+    _file_header,
+    _records,
+    dump_manifest,
+    load_manifest,
+)
 
 MAGIC = b"DCRD"
 END_MAGIC = b"DCRDEND\x00"
 SIGNED_MAGIC = b"DCRDSIG\x00"  # the footer of a signed file: an HMAC-SHA256 sits before it
 SIG_BYTES = 32
 MIN_KEY_BYTES = 16
-VERSION = 1
+BATCH_CHANGES = 4096  # a tensor with fewer changes than this goes into a batched chunk
+BATCH_LIMIT = 1 << 16  # changes in one batched chunk, at most
 _HEAD = struct.Struct("<4sHH")  # magic, version, reserved
 _FOOT = struct.Struct("<QQQ8s")  # manifest offset, manifest length, xxh3-64 of manifest, end magic
-MAX_MANIFEST = 1 << 30
-
-
-class DeltaError(ValueError):
-    """A delta file that is corrupt, truncated, of another version or for another base."""
 
 
 def signing_key(env: str) -> bytes:
@@ -116,45 +123,30 @@ def _check_output(out_path: Path, inputs: list[Path], force: bool) -> None:
 
 def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
          span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False, force: bool = False,
-         key: bytes | None = None) -> dict:
+         key: bytes | None = None, context: bool = True) -> dict:
     """Write the delta OLD -> NEW to out_path (atomically). Returns the manifest. With a key,
     the file is signed: an HMAC-SHA256 of everything before it (docs/FORMAT.md), for deltas
-    passed between parties, where the unkeyed checksums prove nothing."""
+    passed between parties, where the unkeyed checksums prove nothing. context: try the
+    context-modelled coding (which reads OLD's bits) on every chunk and keep it where smaller."""
     out_path = Path(out_path)
     _check_output(out_path, [Path(old_path), Path(new_path)], force)
     old, new = Checkpoint(old_path), Checkpoint(new_path)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent or ".")
-    tensors, files = [], []
     prog = _Progress("diff", len(new.where), quiet=quiet)
     try:
         with os.fdopen(fd, "wb") as raw:
             f = _Out(raw, hmac.new(key, digestmod=hashlib.sha256) if key is not None else None)
             f.write(_HEAD.pack(MAGIC, VERSION, 0))
+            w = _Writer(f, span, level, context)
+            files = []
             for fname, sf in new.files.items():
-                files.append({"path": fname, "header": sf.header_bytes.decode()})
+                same = fname in old.files and old.files[fname].header_bytes == sf.header_bytes
+                files.append({"path": fname, **({"header_digest": xxhash.xxh3_128_hexdigest(sf.header_bytes)}
+                                                if same else {"header": sf.header_bytes.decode()})})
                 for name, e in sorted(sf.entries.items(), key=lambda kv: kv[1].begin):
-                    cur = sf.tensor(name)
-                    rec = {"name": name, "file": fname, "dtype": e.dtype, "shape": list(e.shape),
-                           "numel": cur.numel(), "new_digest": codec.tensor_digest(cur)}
-                    same_kind = (name in old.where and old.entry(name).dtype == e.dtype
-                                 and old.entry(name).shape == e.shape)
-                    if same_kind:
-                        base = old.tensor(name).clone()
-                        rec["old_digest"] = codec.tensor_digest(base)
-                        d = take_delta(cur, base, keep_new=True)
-                        chunks = codec.encode_delta(name, d, span=span, level=level)
-                        rec.update(mode="xor", changed=d.count, bound_bits=codec.delta_bound_bits(d))
-                    else:
-                        chunks = codec.encode_overwrite(name, cur.contiguous(), span=span, level=level)
-                        rec.update(mode="full", changed=cur.numel(), old_digest=None)
-                    spans = []
-                    for c in chunks:
-                        spans.append([f.tell(), len(c)])
-                        f.write(c)
-                    rec["chunks"] = spans
-                    rec["bytes"] = sum(s[1] for s in spans)
-                    tensors.append(rec)
+                    w.tensor(name, e, sf.tensor(name), old)
                     prog.add(e.end - e.begin)
+            w.flush()
             others = []
             for name in new.other_files:
                 p = new.path / name
@@ -168,10 +160,12 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
             manifest = {
                 "format": "nemo-dcr-delta", "version": VERSION,
                 "layout": "dir" if new.is_dir else "file",
-                "files": files, "tensors": tensors, "other_files": others,
-                "removed": sorted(set(old.where) - set(new.where)),
+                "files": files, "tensors": w.columns(), "chunk_lengths": w.lengths,
+                "old_digest": w.old_digest.hexdigest(), "new_digest": w.new_digest.hexdigest(),
+                "bound_bits": {k: round(v) for k, v in w.bounds.items()}, "totals": w.totals,
+                "other_files": others, "removed": sorted(set(old.where) - set(new.where)),
             }
-            mbytes = json.dumps(manifest, separators=(",", ":")).encode()
+            mbytes = dump_manifest(manifest)
             moff = f.tell()
             f.write(mbytes)
             if f.mac is not None:
@@ -186,6 +180,94 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
         Path(tmp).unlink(missing_ok=True)
         raise
     return manifest
+
+
+class _Writer:
+    """diff's chunk writer: each tensor's chunks, or its changes held for a batched chunk, and
+    the manifest's columns (in header order) as it goes."""
+
+    def __init__(self, f: _Out, span: int, level: int, context: bool):
+        self.f, self.span, self.level, self.context = f, span, level, context
+        self.lengths: list[int] = []  # every chunk's length, in file order
+        self.mode, self.changed, self.chunks = [], [], []  # per tensor
+        self.pending: list[tuple] = []  # (manifest index, name, numel, delta) held for a batch
+        self.pending_dtype = None
+        self.old_digest, self.new_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
+        self.bounds = {"positions": 0.0, "xor": 0.0, "ulp": 0.0}
+        self.totals = {"params": 0, "dense_bytes": 0, "xor_params": 0, "full_bytes": 0}
+
+    def _old(self, was: torch.Tensor) -> torch.Tensor | None:
+        return was if self.context else None
+
+    def _write(self, c: bytes) -> int:
+        self.f.write(c)
+        self.lengths.append(len(c))
+        return len(self.lengths) - 1
+
+    def tensor(self, name: str, e: TensorEntry, cur: torch.Tensor, old: Checkpoint) -> None:
+        i = len(self.mode)
+        self.new_digest.update(bytes.fromhex(codec.tensor_digest(cur)))
+        self.totals["params"] += cur.numel()
+        self.totals["dense_bytes"] += cur.numel() * cur.element_size()
+        same_kind = name in old.where and old.entry(name).dtype == e.dtype and old.entry(name).shape == e.shape
+        if not same_kind:
+            first = len(self.lengths)
+            for c in codec.encode_overwrite(name, cur.contiguous(), span=self.span, level=self.level):
+                self._write(c)
+                self.totals["full_bytes"] += len(c)
+            self.mode.append("f")
+            self.changed.append(cur.numel())
+            self.chunks.append([first, len(self.lengths) - first])
+            return
+        was = old.tensor(name).contiguous()
+        base = was.clone()  # (take_delta moves it to cur)
+        self.old_digest.update(bytes.fromhex(codec.tensor_digest(was)))
+        self.totals["xor_params"] += cur.numel()
+        d = take_delta(cur, base, keep_new=True)
+        b = codec.delta_bound_bits(d)
+        self.bounds["positions"] += b["positions"]
+        self.bounds["xor"] += b["xor"]
+        self.bounds["ulp"] += b["ulp"] if b["ulp"] is not None else b["xor"]
+        self.mode.append("x")
+        self.changed.append(d.count)
+        self.chunks.append([len(self.lengths), 0])
+        if d.count == 0:
+            return
+        batchable = (0 < d.count < BATCH_CHANGES and d.numel <= self.span and d.new is not None
+                     and codec.dtype_info(d.dtype).is_float)
+        if not batchable:
+            for c in codec.encode_delta(name, d, span=self.span, level=self.level, old=self._old(was)):
+                self._write(c)
+            self.chunks[i] = [self.chunks[i][0], len(self.lengths) - self.chunks[i][0]]
+            return
+        if self.pending and (self.pending_dtype != d.dtype
+                             or sum(p[3].count for p in self.pending) + d.count > BATCH_LIMIT
+                             or sum(p[2] for p in self.pending) + d.numel > self.span):
+            self.flush()
+        self.pending.append((i, name, d.numel, d, was))
+        self.pending_dtype = d.dtype
+
+    def flush(self) -> None:
+        """Write the held tensors' changes as one batched chunk (a lone tensor as its own)."""
+        if not self.pending:
+            return
+        if len(self.pending) == 1:  # a lone tensor as its own chunks (several where it spans more than span)
+            i, name, _, d, was = self.pending[0]
+            first = len(self.lengths)
+            for c in codec.encode_delta(name, d, span=self.span, level=self.level, old=self._old(was)):
+                self._write(c)
+            self.chunks[i] = [first, len(self.lengths) - first]
+        else:
+            c = codec.encode_batch(self.pending_dtype, [(name, numel, d.positions, d.xor, d.new)
+                                                        for _, name, numel, d, _ in self.pending], level=self.level,
+                                   olds=None if not self.context else [was for *_, was in self.pending])
+            at = self._write(c)
+            for i, *_ in self.pending:
+                self.chunks[i] = [at, 1]
+        self.pending = []
+
+    def columns(self) -> dict:
+        return {"mode": "".join(self.mode), "changed": self.changed, "chunks": self.chunks}
 
 
 class DeltaFile:
@@ -222,16 +304,20 @@ class DeltaFile:
         if xxhash.xxh3_64_intdigest(mbytes) != msum:
             raise DeltaError(f"{self.path}: manifest checksum mismatch (corrupt delta)")
         try:
-            self.manifest = json.loads(mbytes)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise DeltaError(f"{self.path}: manifest is not JSON") from None
-        if self.manifest.get("format") != "nemo-dcr-delta" or self.manifest.get("version") != VERSION:
-            raise DeltaError(f"{self.path}: unsupported manifest")
-        try:
-            _check_manifest(self.manifest)
+            self.manifest = load_manifest(mbytes)
         except DeltaError as exc:
             raise DeltaError(f"{self.path}: {exc}") from None
         self.data_end = moff
+        self._decoded: tuple[int, dict] | None = None  # the last batched chunk read, by tensor
+
+    def records(self, base_headers: dict[str, bytes]) -> tuple[list[dict], dict[str, str]]:
+        """(one record per tensor of NEW, each file's header): the headers NEW shares with BASE
+        come from base_headers (file name -> BASE's header bytes), their digests checked."""
+        try:
+            headers = {f["path"]: _file_header(f, base_headers) for f in self.manifest["files"]}
+            return _records(self.manifest, headers), headers
+        except DeltaError as exc:
+            raise DeltaError(f"{self.path}: {exc}") from None
 
     def _check_signature(self, key: bytes, signed_end: int) -> None:
         if not self.signed:
@@ -259,98 +345,45 @@ class DeltaFile:
             raise DeltaError(f"{self.path}: truncated chunk")
         return data
 
+    def parts_for(self, index: int, span: list[int], name: str, old=None) -> list[codec.DecodedChunk]:
+        """Tensor `name`'s changes in chunk `index`: verified, decoded, checked to be this
+        tensor's. A batched chunk is decoded once for all of its tensors (patch goes in order).
+        old: a tensor's chunk header -> BASE's flat tensor (context-coded chunks read it)."""
+        if self._decoded is None or self._decoded[0] != index:
+            buf = self.read(span)
+            h = codec.parse_header(buf)
+            self._decoded = (index, {d.header.name: d for d in codec.decode_parts(buf, h, old)})
+        d = self._decoded[1].get(name)
+        if d is None:
+            raise DeltaError(f"{self.path}: chunk {index} holds no changes of {name!r} (corrupt manifest)")
+        return [d]
+
     def close(self) -> None:
         self._f.close()
 
 
-def _safe_name(p) -> str:
-    """A manifest's file path must be a plain file name: the checksum is unkeyed, so an edited
-    manifest is re-signed at will, and only this check keeps patch inside OUT."""
-    if (not isinstance(p, str) or not p or p in (".", "..") or "/" in p or "\\" in p or "\0" in p
-            or Path(p).is_absolute()):
-        raise DeltaError(f"manifest names the file {p!r}: only plain file names inside OUT are allowed")
-    return p
-
-
-def _check_manifest(m: dict) -> None:
-    """Refuse a manifest whose paths leave OUT or whose records disagree, before any write."""
-    if m.get("layout") not in ("dir", "file"):
-        raise DeltaError(f"unknown layout {m.get('layout')!r}")
-    files = [_safe_name(f.get("path") if isinstance(f, dict) else None) for f in m.get("files", [])]
-    others = [_safe_name(o.get("path") if isinstance(o, dict) else None) for o in m.get("other_files", [])]
-    for p in files:
-        if not p.endswith(".safetensors"):
-            raise DeltaError(f"manifest file {p!r} is not a .safetensors file")
-    names = files + others
-    if len(set(names)) != len(names):
-        raise DeltaError("manifest names a file twice")
-    if m["layout"] == "file" and (len(files) != 1 or others):
-        raise DeltaError("single-file delta with several files")
-    for rec in m.get("tensors", []):
-        if rec.get("file") not in files:
-            raise DeltaError(f"tensor {rec.get('name')!r} is in {rec.get('file')!r}, which the manifest does not write")
-        if rec.get("mode") not in ("xor", "full"):
-            raise DeltaError(f"tensor {rec.get('name')!r}: unknown mode {rec.get('mode')!r}")
-        shape = rec.get("shape")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or rec.get("numel") != math.prod(shape)):
-            raise DeltaError(f"tensor {rec.get('name')!r}: numel {rec.get('numel')!r} does not match shape {shape!r}")
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def _check_room(m: dict, parent: Path) -> None:
-    """Sizes come from the manifest, which whoever made the delta wrote: a claim larger than
-    the disk (the new files) or the memory (a tensor sent whole is built in memory) is refused
-    with the figures, before anything is written or allocated."""
-    need = 0
-    for f in m["files"]:
-        entries = _entries_from_header(f["header"])
-        need += 8 + len(f["header"].encode()) + max((e.end for e in entries.values()), default=0)
-    free = shutil.disk_usage(parent).free
-    if need > free:
-        raise DeltaError(f"the new checkpoint takes {need / 1e9:.1f} GB by the delta's manifest, more than the "
-                         f"{free / 1e9:.1f} GB free at {parent}: refused (a wrong or crafted delta?)")
-    mem = _mem_available()
-    for rec in m["tensors"]:
-        size = rec["numel"] * codec.dtype_info(rec["dtype"]).width
-        if rec["mode"] == "full" and mem is not None and size > mem:
-            raise DeltaError(f"tensor {rec['name']!r} is sent whole and takes {size / 1e9:.1f} GB by the delta's "
-                             f"manifest, more than the {mem / 1e9:.1f} GB of memory available: refused")
-
-
-def _entries_from_header(header: str) -> dict[str, TensorEntry]:
-    try:
-        h = json.loads(header)
-        h.pop("__metadata__", None)
-        out = {n: TensorEntry(n, e["dtype"], tuple(e["shape"]), *e["data_offsets"]) for n, e in h.items()}
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise DeltaError(f"a file's safetensors header in the manifest is malformed ({type(exc).__name__})") from None
-    for e in out.values():
-        if not (isinstance(e.begin, int) and isinstance(e.end, int) and 0 <= e.begin <= e.end):
-            raise DeltaError(f"tensor {e.name!r}: bad data offsets in its file's header")
-    return out
-
-
-def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict) -> torch.Tensor:
+def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest) -> torch.Tensor:
     """NEW's bits of one tensor: BASE's bits (or zeros for a tensor sent whole) with every
-    chunk applied, then checked against the delta's digest of the new bits."""
+    chunk applied; its digest goes into new_digest (checked once every tensor is built)."""
     name = rec["name"]
     info = codec.dtype_info(rec["dtype"])
     if rec["mode"] == "xor":
         target = base.tensor(name).contiguous().clone().reshape(-1)
     else:
         target = torch.zeros(rec["numel"], dtype=info.torch)
-    for span in rec["chunks"]:
-        codec.apply_chunk(dfile.read(span), target, name)
-    if codec.tensor_digest(target) != rec["new_digest"]:
-        raise DeltaError(f"tensor {name!r}: result digest differs from the delta's (corrupt delta or wrong base)")
+    def base_of(h: codec.ChunkHeader) -> torch.Tensor:
+        """BASE's bits of a tensor a context-coded chunk holds, checked against the chunk."""
+        if h.name not in base.where:
+            raise codec.ChunkError(f"chunk holds changes of {h.name!r}, which BASE does not have")
+        t = target if h.name == name else base.tensor(h.name).reshape(-1)
+        codec.check_target(h, t, h.name)
+        return t
+
+    for index, span in rec["chunks"]:
+        for d in dfile.parts_for(index, span, name, base_of):
+            codec.check_target(d.header, target, name)
+            codec.apply_decoded(d, target)
+    new_digest.update(bytes.fromhex(codec.tensor_digest(target)))
     return bits(target)
 
 
@@ -370,7 +403,9 @@ def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path:
         raise ValueError("OUT must differ from BASE (BASE is never modified)")
 
     # 1. The base must be the delta's base, checked before anything is written.
-    for rec in m["tensors"]:
+    recs, headers = dfile.records({name: sf.header_bytes for name, sf in base.files.items()})
+    old_digest = xxhash.xxh3_128()
+    for rec in recs:
         if rec["mode"] != "xor":
             continue
         name = rec["name"]
@@ -380,38 +415,37 @@ def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path:
         if e.dtype != rec["dtype"] or list(e.shape) != rec["shape"]:
             raise DeltaError(f"BASE tensor {name!r} is {e.dtype}{list(e.shape)}, the delta expects "
                              f"{rec['dtype']}{rec['shape']}: wrong base")
-        if codec.tensor_digest(base.tensor(name)) != rec["old_digest"]:
-            raise DeltaError(f"BASE tensor {name!r} does not match the delta's base (digest differs): "
-                             "wrong base or a different version")
+        old_digest.update(bytes.fromhex(codec.tensor_digest(base.tensor(name))))
+    if old_digest.hexdigest() != m["old_digest"]:
+        raise DeltaError("BASE does not match the delta's base (the digest of its tensors differs): wrong base or "
+                         "a different version")
     for o in m["other_files"]:
         if o.get("same") and (not base.is_dir or o["path"] not in base.other_files):
             raise DeltaError(f"BASE lacks {o['path']!r}, which the delta takes from the base")
 
     # 2. Build NEW in a temporary path next to OUT, if there is room for it.
     parent = out_path.parent if str(out_path.parent) else Path(".")
-    _check_room(m, parent)
+    _check_room(headers, recs, parent)
     tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", suffix=".tmp", dir=parent))
     by_file: dict[str, list[dict]] = {}
-    for rec in m["tensors"]:
+    for rec in recs:
         by_file.setdefault(rec["file"], []).append(rec)
-    prog = _Progress("patch", len(m["tensors"]), quiet=quiet)
+    prog = _Progress("patch", len(recs), quiet=quiet)
+    new_digest = xxhash.xxh3_128()
     try:
         for fentry in m["files"]:
-            recs = {r["name"]: r for r in by_file.get(fentry["path"], [])}
-            entries = _entries_from_header(fentry["header"])
-            if set(entries) != set(recs):
-                raise DeltaError(f"manifest for {fentry['path']} does not match its header")
-            for name, e in entries.items():
-                r = recs[name]
-                if e.dtype != r["dtype"] or list(e.shape) != r["shape"]:
-                    raise DeltaError(f"manifest for {fentry['path']}: tensor {name!r} differs from its header")
+            frecs = {r["name"]: r for r in by_file.get(fentry["path"], [])}
+            entries = _entries_from_header(headers[fentry["path"]])
 
-            def build(name: str, recs: dict = recs) -> torch.Tensor:
-                t = _rebuild_tensor(base, dfile, recs[name])
+            def build(name: str, frecs: dict = frecs) -> torch.Tensor:
+                t = _rebuild_tensor(base, dfile, frecs[name], new_digest)
                 prog.add(t.numel() * t.element_size())
                 return t
 
-            write_safetensors(tmp / fentry["path"], fentry["header"].encode(), entries, build)
+            # (write_safetensors builds the tensors in offset order, the manifest's order)
+            write_safetensors(tmp / fentry["path"], headers[fentry["path"]].encode(), entries, build)
+        if new_digest.hexdigest() != m["new_digest"]:
+            raise DeltaError("the rebuilt tensors' digest differs from the delta's (corrupt delta or wrong base)")
         for o in m["other_files"]:
             dst = tmp / o["path"]
             if o.get("same"):
@@ -444,24 +478,19 @@ def stats(delta_path: str | os.PathLike) -> dict:
     d = DeltaFile(delta_path)
     m = d.manifest
     d.close()
-    params = sum(r["numel"] for r in m["tensors"])
-    dense = sum(r["numel"] * codec.dtype_info(r["dtype"]).width for r in m["tensors"])
-    xor = [r for r in m["tensors"] if r["mode"] == "xor"]
-    changed = sum(r["changed"] for r in xor)
-    payload = sum(r["bytes"] for r in m["tensors"])
-    full = [r for r in m["tensors"] if r["mode"] == "full"]
-    bx = sum(r["bound_bits"]["positions"] + r["bound_bits"]["xor"] for r in xor)
-    bu = sum(r["bound_bits"]["positions"] + (r["bound_bits"]["ulp"] if r["bound_bits"]["ulp"] is not None
-                                              else r["bound_bits"]["xor"]) for r in xor)
-    xbytes = sum(r["bytes"] for r in xor)
-    xparams = sum(r["numel"] for r in xor)
+    t, tot, bb = m["tensors"], m["totals"], m["bound_bits"]
+    size = os.path.getsize(delta_path)
+    payload = sum(m["chunk_lengths"])
+    changed = sum(c for mode, c in zip(t["mode"], t["changed"], strict=True) if mode == "x")
+    xbytes = payload - tot["full_bytes"]
+    bx, bu = bb["positions"] + bb["xor"], bb["positions"] + bb["ulp"]
     out = {
-        "tensors": len(m["tensors"]), "params": params, "changed": changed,
-        "change_rate": changed / xparams if xparams else 0.0,
-        "full_tensors": len(full), "removed_tensors": len(m["removed"]),
-        "bytes": os.path.getsize(delta_path), "payload_bytes": payload, "dense_bytes": dense,
-        "bits_per_param": 8 * payload / params if params else 0.0,
-        "ratio_vs_dense": dense / os.path.getsize(delta_path),
+        "tensors": len(t["mode"]), "params": tot["params"], "changed": changed,
+        "change_rate": changed / tot["xor_params"] if tot["xor_params"] else 0.0,
+        "full_tensors": t["mode"].count("f"), "removed_tensors": len(m["removed"]),
+        "bytes": size, "payload_bytes": payload, "dense_bytes": tot["dense_bytes"],
+        "bits_per_param": 8 * payload / tot["params"] if tot["params"] else 0.0,
+        "ratio_vs_dense": tot["dense_bytes"] / size,
         "xor_bound_bytes": bx / 8, "ulp_bound_bytes": bu / 8,
         "efficiency_vs_xor_bound": (bx / 8) / xbytes if xbytes else 1.0,
         "efficiency_vs_ulp_bound": (bu / 8) / xbytes if xbytes else 1.0,
@@ -469,12 +498,10 @@ def stats(delta_path: str | os.PathLike) -> dict:
     # Whole file: every byte a receiver downloads (manifest, chunk headers, tensors sent whole),
     # against the bound plus what must be sent whole anyway. Real checkpoints have hundreds of
     # tensors, and their per-tensor costs hide behind the payload-only figure.
-    size = os.path.getsize(delta_path)
-    whole = sum(r["bytes"] for r in full)
-    out["efficiency_whole_vs_xor_bound"] = (bx / 8 + whole) / size if size else 1.0
-    out["efficiency_whole_vs_ulp_bound"] = (bu / 8 + whole) / size if size else 1.0
+    out["efficiency_whole_vs_xor_bound"] = (bx / 8 + tot["full_bytes"]) / size if size else 1.0
+    out["efficiency_whole_vs_ulp_bound"] = (bu / 8 + tot["full_bytes"]) / size if size else 1.0
     out["non_payload_bytes"] = size - payload
     return out
 
 
-__all__ = ["DeltaError", "DeltaFile", "diff", "patch", "stats", "CheckpointError"]
+__all__ = ["DeltaError", "DeltaFile", "diff", "patch", "stats", "CheckpointError", "dump_manifest", "load_manifest"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+import zstandard
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CLI = str(Path(sys.executable).parent / "nemo-dcr")
@@ -30,9 +31,9 @@ def resign(src: Path, dst: Path, edit) -> None:
     """dst = src with its manifest passed through edit(manifest) and the footer re-signed."""
     data = src.read_bytes()
     moff, mlen, _, end = _FOOT.unpack(data[-_FOOT.size:])
-    m = json.loads(data[moff:moff + mlen])
+    m = json.loads(zstandard.ZstdDecompressor().decompress(data[moff:moff + mlen]))
     edit(m)
-    mb = json.dumps(m, separators=(",", ":")).encode()
+    mb = zstandard.ZstdCompressor().compress(json.dumps(m, separators=(",", ":")).encode())
     dst.write_bytes(data[:moff] + mb + _FOOT.pack(moff, len(mb), xxhash.xxh3_64_intdigest(mb), end))
 
 
@@ -52,11 +53,7 @@ def work(tmp_path):
 
 def point_file_at(target: str):
     def edit(m):
-        old = m["files"][0]["path"]
         m["files"][0]["path"] = target
-        for t in m["tensors"]:
-            if t["file"] == old:
-                t["file"] = target
     return edit
 
 
@@ -76,7 +73,7 @@ def point_other_at(target: str):
 def test_crafted_manifest_is_refused_before_any_write(work, edit, what):
     tmp, base, victim = work
     evil = tmp / "evil.dcr"
-    resign(GOLDEN / "delta.dcr", evil, edit(victim))
+    resign(GOLDEN / "delta_v2.dcr", evil, edit(victim))
     before = digest_tree(tmp)
     p = run("patch", base, evil, "-o", tmp / "out")
     assert p.returncode == 2, (what, p.stdout, p.stderr)
@@ -86,24 +83,27 @@ def test_crafted_manifest_is_refused_before_any_write(work, edit, what):
     assert digest_tree(tmp) == before  # the victim still in place, nothing left behind
 
 
-def test_manifest_numel_must_match_shape(work):
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: m["tensors"]["chunks"].__setitem__(0, [len(m["chunk_lengths"]), 1]), "refers to chunks"),
+    (lambda m: m["tensors"].update(mode=m["tensors"]["mode"][:-1]), "malformed"),
+    (lambda m: m["chunk_lengths"].__setitem__(0, -5), "malformed"),
+])
+def test_manifest_tensor_table_must_hold_together(work, edit, says):
+    """A chunk index out of range, a table shorter than the headers, a negative length."""
     tmp, base, _ = work
     evil = tmp / "evil.dcr"
-
-    def edit(m):
-        full = next(t for t in m["tensors"] if t["mode"] == "full")
-        full["numel"] = 10**12
-    resign(GOLDEN / "delta.dcr", evil, edit)
+    resign(GOLDEN / "delta_v2.dcr", evil, edit)
+    before = digest_tree(tmp)
     p = run("patch", base, evil, "-o", tmp / "out")
-    assert p.returncode == 2 and "does not match shape" in p.stderr
-    assert not (tmp / "out").exists()
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert digest_tree(tmp) == before
 
 
 def test_resigned_but_honest_manifest_still_patches(work):
     """The re-signing helper itself keeps a valid delta valid (so the refusals above are the checks')."""
     tmp, base, _ = work
     same = tmp / "same.dcr"
-    resign(GOLDEN / "delta.dcr", same, lambda m: None)
+    resign(GOLDEN / "delta_v2.dcr", same, lambda m: None)
     p = run("patch", base, same, "-o", tmp / "out")
     assert p.returncode == 0, p.stderr
     assert digest_tree(tmp / "out") == digest_tree(GOLDEN / "new")
@@ -130,7 +130,7 @@ def test_diff_refuses_its_own_inputs_and_existing_outputs(tmp_path):
     assert other.read_bytes() == b"keep me"
     p = run("diff", old, new, "-o", other, "-q", "--force")
     assert p.returncode == 0, p.stderr
-    assert other.read_bytes() == (GOLDEN / "delta.dcr").read_bytes()
+    assert other.read_bytes() == (GOLDEN / "delta_v2.dcr").read_bytes()
 
 
 def test_a_huge_claimed_tensor_is_refused_before_any_allocation(work):
@@ -141,15 +141,24 @@ def test_a_huge_claimed_tensor_is_refused_before_any_allocation(work):
     evil = tmp / "evil.dcr"
 
     def edit(m):
-        full = next(t for t in m["tensors"] if t["mode"] == "full")
-        full["numel"], full["shape"] = 10**12, [10**12]
-        f = next(f for f in m["files"] if f["path"] == full["file"])
-        h = json.loads(f["header"])
-        b = h[full["name"]]["data_offsets"][0]
-        h[full["name"]]["shape"] = [10**12]
-        h[full["name"]]["data_offsets"] = [b, b + 10**12 * 2]
-        f["header"] = json.dumps(h)
-    resign(GOLDEN / "delta.dcr", evil, edit)
+        # the first tensor sent whole, found by its place in the headers' offset order
+        k = m["tensors"]["mode"].index("f")
+        for f in m["files"]:
+            if "header" not in f:  # the same header as BASE's: only its digest is in the manifest
+                raw = (GOLDEN / "old" / f["path"]).read_bytes()
+                h = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+                k -= len(h) - ("__metadata__" in h)
+                continue
+            h = json.loads(f["header"])
+            names = sorted((n for n in h if n != "__metadata__"), key=lambda n: h[n]["data_offsets"][0])
+            if k < len(names):
+                b = h[names[k]]["data_offsets"][0]
+                h[names[k]]["shape"] = [10**12]
+                h[names[k]]["data_offsets"] = [b, b + 10**12 * 2]
+                f["header"] = json.dumps(h)
+                return
+            k -= len(names)
+    resign(GOLDEN / "delta_v2.dcr", evil, edit)
     before = digest_tree(tmp)
     p = run("patch", base, evil, "-o", tmp / "out")
     assert p.returncode == 2 and "refused" in p.stderr and "GB" in p.stderr and "Traceback" not in p.stderr, p.stderr

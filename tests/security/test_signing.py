@@ -60,8 +60,10 @@ def _edit_manifest(src: Path, dst: Path) -> None:
     """An honest-looking edit: the manifest changed and its unkeyed checksum recomputed."""
     data = src.read_bytes()
     moff, mlen, _, end = _FOOT.unpack(data[-_FOOT.size:])
-    m = data[moff:moff + mlen].replace(b'"removed":[', b'"removed":["x",', 1)
-    assert m != data[moff:moff + mlen]
+    from nemo_dcr_callback.tools.deltafile import dump_manifest, load_manifest
+    obj = load_manifest(data[moff:moff + mlen])
+    obj["removed"].append("x")
+    m = dump_manifest(obj)
     dst.write_bytes(data[:moff] + m + data[moff + mlen:-_FOOT.size] + _FOOT.pack(moff, len(m),
                                                                                xxhash.xxh3_64_intdigest(m), end))
 
@@ -81,7 +83,7 @@ def test_patch_with_a_key_refuses_what_that_key_did_not_sign(signed, tmp_path, h
     elif how == "manifest":
         _edit_manifest(signed, delta)
     elif how == "unsigned":
-        delta = GOLDEN / "delta.dcr"
+        delta = GOLDEN / "delta_v2.dcr"
     else:
         delta = signed
     before = tree(tmp_path)

@@ -73,7 +73,8 @@ def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
     decoded = []
     for c in chunks:
         h = codec.parse_header(c)
-        target.check(h)
-        decoded.append(codec.decode_chunk(c, h))
+        for part in h.parts():
+            target.check(part)
+        decoded += codec.decode_parts(c, h)
     target.apply(decoded)
     return sum(d.header.count for d in decoded)

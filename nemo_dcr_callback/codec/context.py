@@ -1,0 +1,147 @@
+"""Context-modelled coding: code what the receiver cannot guess from the bits it holds.
+
+The order-0 coding treats every position alike, but an optimizer step of about lr moves a
+small float past half an ulp far more often than a large one, and the receiver knows every
+old value. So positions are split into classes by the old value's exponent, and each class
+is coded on its own: the changed positions as gaps in that class's own position order (so
+a class that changes 1 in 3 and one that changes 1 in 1000 each get their own gap
+statistics), and the changed values' tokens with that class's own table. The decoder reads
+the old exponent at every position of the chunk's range to rebuild the classes, the cost
+this coding pays for its size (docs/FORMAT.md, docs/PERFORMANCE.md).
+
+Streams of a context-coded chunk, in order: the class map (the class of each exponent
+value: 2^E bytes), per class its gap stream (GAP8 over the class's positions), per class its
+token stream (byte tokens of the values, as in the TOKENS layout), then the escapes of all
+values in position order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nemo_dcr_callback.codec.streams import (
+    GapMode,
+    StreamError,
+    decode_gaps,
+    encode_gaps,
+    join_tokens,
+)
+
+MAX_CLASSES = 16
+# (shift, bits) of the exponent field per float width: BF16 and F16 differ at width 2
+_EXPONENT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8)}
+
+
+def supported(dtype_name: str) -> bool:
+    return dtype_name in _EXPONENT
+
+
+def map_size(dtype_name: str) -> int:
+    return 1 << _EXPONENT[dtype_name][1]
+
+
+def exponents(old_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
+    """The exponent field of every old value (sign dropped), as small integers."""
+    shift, nbits = _EXPONENT[dtype_name]
+    u = old_bits.numpy().view({2: np.uint16, 4: np.uint32}[old_bits.element_size()])
+    return ((u >> shift) & ((1 << nbits) - 1)).astype(np.uint8)
+
+
+def _bin(logit: np.ndarray, present: np.ndarray, k: int) -> np.ndarray:
+    """Exponents cut into k classes of even log-odds width, numbered densely (a class with
+    no position would cost streams for nothing)."""
+    out = np.zeros(logit.size, dtype=np.uint8)
+    lo, hi = logit[present].min(), logit[present].max()
+    if hi - lo < 1e-9 or k == 1:
+        return out
+    out[present] = np.minimum(((logit[present] - lo) / (hi - lo) * k).astype(np.int64), k - 1)
+    used = np.unique(out[present])
+    remap = np.zeros(k, dtype=np.uint8)
+    remap[used] = np.arange(used.size, dtype=np.uint8)
+    out[present] = remap[out[present]]
+    return out
+
+
+def _bits(counts: np.ndarray) -> float:
+    """Order-0 information of a histogram, in bits."""
+    c = counts[counts > 0].astype(np.float64)
+    return float(-(c * np.log2(c / c.sum())).sum()) if c.size else 0.0
+
+
+def choose_classes(exp_all: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int) -> np.ndarray:
+    """The class of each exponent value: exponents grouped by their change rate in this chunk
+    (log-odds cut into even steps). The number of classes is the one whose estimate is
+    smallest: each class's positions (n H(p)) and tokens (order 0), plus its two tables."""
+    n = np.bincount(exp_all, minlength=size)[:size].astype(np.float64)
+    c = np.bincount(exp_changed, minlength=size)[:size].astype(np.float64)
+    present = n > 0
+    if not present.any():
+        return np.zeros(size, dtype=np.uint8)
+    logit = np.log2((c + 0.5) / (n - c + 0.5))
+    th = np.bincount(exp_changed.astype(np.int64) * 256 + tok, minlength=size * 256).reshape(size, 256)
+    best = None
+    for k in (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES):
+        cls = _bin(logit, present, k)
+        kk = int(cls.max()) + 1
+        nk = np.bincount(cls, weights=n, minlength=kk)
+        ck = np.bincount(cls, weights=c, minlength=kk)
+        tk = np.zeros((kk, 256))
+        np.add.at(tk, cls, th)
+        cost = sum(_bits(np.array([ck[j], nk[j] - ck[j]])) + _bits(tk[j]) for j in range(kk))
+        cost += 8 * sum(2 * 64 + 2 * np.count_nonzero(tk[j]) + 2 * 40 for j in range(kk))  # tables, roughly
+        if best is None or cost < best[0]:
+            best = (cost, cls)
+    return best[1]
+
+
+def _class_order(cls_all: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions grouped by class, each class's in increasing order; where each class starts)."""
+    order = np.argsort(cls_all, kind="stable")  # a radix sort on bytes: linear in the range
+    counts = np.bincount(cls_all, minlength=k)[:k]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return order, starts
+
+
+def split(positions: np.ndarray, tok: np.ndarray, cls_map: np.ndarray, exp_all: np.ndarray
+          ) -> tuple[int, list[np.ndarray], list[np.ndarray]]:
+    """(number of classes, per class the GAP8 stream of its changes in its own position order,
+    per class the tokens of its changes)."""
+    k = int(cls_map.max()) + 1
+    cls_all = cls_map[exp_all]
+    order, starts = _class_order(cls_all, k)
+    rank = np.empty(cls_all.size, dtype=np.int64)
+    rank[order] = np.arange(cls_all.size, dtype=np.int64)
+    cls_c = cls_all[positions]
+    counts = np.bincount(cls_all, minlength=k)
+    gaps, toks = [], []
+    for j in range(k):
+        sel = cls_c == j
+        r = rank[positions[sel]] - starts[j]
+        gaps.append(encode_gaps(torch.from_numpy(r), 0, int(counts[j]), GapMode.GAP8))
+        toks.append(np.ascontiguousarray(tok[sel]))
+    return k, gaps, toks
+
+
+def join(cls_map: np.ndarray, exp_all: np.ndarray, gap_streams: list[np.ndarray], tok_streams: list[np.ndarray],
+         esc: np.ndarray, bits_dtype: torch.dtype, idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, values) from a context-coded chunk's streams (rANS undone) and the old
+    exponents of its whole range; StreamError on anything that does not add up."""
+    k = len(tok_streams)
+    if cls_map.size and int(cls_map.max()) >= k:
+        raise StreamError(f"class map names class {int(cls_map.max())} of {k}")
+    cls_all = cls_map[exp_all]
+    order, starts = _class_order(cls_all, k)
+    counts = np.bincount(cls_all, minlength=k)
+    pos, tok = [], []
+    for j in range(k):
+        c = tok_streams[j].size
+        if c > counts[j]:
+            raise StreamError(f"class {j} declares {c} changes among {int(counts[j])} positions")
+        r = decode_gaps(gap_streams[j], GapMode.GAP8, c, 0, int(counts[j]), torch.int64).numpy()
+        pos.append(order[starts[j] + r])
+        tok.append(tok_streams[j])
+    p = np.concatenate(pos) if pos else np.empty(0, np.int64)
+    perm = np.argsort(p, kind="stable")
+    values = join_tokens(np.concatenate(tok)[perm] if tok else np.empty(0, np.uint8), esc, bits_dtype)
+    return torch.from_numpy(p[perm]).to(idt), values

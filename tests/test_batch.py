@@ -1,0 +1,155 @@
+"""Format version 2: compact headers and batched chunks (issue 35).
+
+The oracle is the new tensors themselves: every round trip must land on their bits. The bad
+inputs are crafted with valid checksums (re-assembled), as a buggy or hostile writer would
+make them, and each must be refused with every target tensor as it was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import format as fmt
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.receiver.targets import apply_chunks
+from nemo_dcr_callback.sender.delta import take_delta
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _pair(numel: int, changes: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    old = (torch.randn(numel, generator=g) * 0.02).to(dtype)
+    new = old.clone()
+    idx = torch.randperm(numel, generator=g)[:changes]
+    new[idx] = (new[idx].float() * (1.05 + 0.05 * torch.rand(changes, generator=g))).to(dtype)
+    return old, new
+
+
+def _members(specs, dtype=torch.bfloat16):
+    olds, news, members = {}, {}, []
+    for i, (numel, changes) in enumerate(specs):
+        name = f"model.layers.{i}.post_attention_layernorm.weight"
+        old, new = _pair(numel, changes, i, dtype)
+        d = take_delta(new, old.clone(), keep_new=True)
+        olds[name], news[name] = old, new
+        members.append((name, numel, d.positions, d.xor, d.new))
+    return olds, news, members
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_batched_chunk_lands_every_member_on_the_new_bits(dtype):
+    olds, news, members = _members([(384, 6), (1000, 0), (4096, 300), (7, 7), (50_000, 2000)], dtype)
+    members = [m for m in members if m[2].numel()] + [m for m in members if not m[2].numel()]
+    chunk = codec.encode_batch(dtype, members)
+    h = codec.parse_header(chunk)
+    assert h.batched and {p.name for p in h.parts()} == set(olds)
+    state = {k: v.clone() for k, v in olds.items()}
+    assert apply_chunks(state, [chunk]) == sum(m[2].numel() for m in members)
+    for k in olds:
+        assert torch.equal(bits(state[k]), bits(news[k])), k
+
+
+def test_batch_is_smaller_than_a_chunk_per_tensor():
+    _, _, members = _members([(384, 6)] * 40 + [(2048, 40)] * 40)
+    one = sum(len(codec.encode_chunk(n, codec.Kind.XOR, torch.bfloat16, numel, 0, numel, p, x, nv))
+              for n, numel, p, x, nv in members)
+    batch = len(codec.encode_batch(torch.bfloat16, members))
+    assert batch < 0.6 * one, (batch, one)
+
+
+def test_small_chunk_header_is_compact():
+    """A 384-element norm with 6 changes cost 209 bytes in format 1."""
+    old, new = _pair(384, 6, 0)
+    d = take_delta(new, old.clone(), keep_new=True)
+    (c,) = codec.encode_delta("model.layers.0.input_layernorm.weight", d)
+    assert len(c) < 100, len(c)
+    t = old.clone()
+    codec.apply_chunk(c, t, "model.layers.0.input_layernorm.weight")
+    assert torch.equal(bits(t), bits(new))
+
+
+def _reassemble(chunk: bytes, table: bytes, m: int | None = None) -> bytes:
+    """chunk with its member table replaced (stored) and a valid checksum."""
+    h = codec.parse_header(chunk)
+    streams, off = [], h.payload_offset
+    for raw, stored, c in h.streams:
+        streams.append((raw, bytes(chunk[off:off + stored]), c))
+        off += stored
+    return fmt.assemble_chunk("", h.kind, h.dtype, h.gap_mode, h.value_mode, h.layout, h.numel, h.lo, h.hi, h.count,
+                              streams, members=(m if m is not None else len(h.members), table, fmt.STORED, len(table)))
+
+
+def _entry(prefix: int, suffix: bytes, numel: int, count: int) -> bytes:
+    return fmt.varint(prefix) + fmt.varint(len(suffix)) + suffix + fmt.varint(numel) + fmt.varint(count)
+
+
+def _refused(chunk: bytes, olds: dict, says: str) -> None:
+    state = {k: v.clone() for k, v in olds.items()}
+    with pytest.raises(codec.ChunkError, match=says):
+        apply_chunks(state, [chunk])
+    for k in olds:
+        assert torch.equal(bits(state[k]), bits(olds[k])), k  # nothing written
+
+
+def _two():
+    """Two tensors of 300 elements with 10 changes each, in one batch."""
+    olds, _, members = _members([(300, 10), (300, 10)])
+    for _, _, p, _, _ in members:
+        assert p.numel() == 10
+    return olds, members, codec.encode_batch(torch.bfloat16, members)
+
+
+def test_corrupt_member_table_is_refused():
+    olds, members, chunk = _two()
+    a, b = (m[0].encode() for m in members)
+    k = next(i for i in range(len(a)) if a[i] != b[i])  # the shared prefix
+    good = _entry(0, a, 300, 10) + _entry(k, b[k:], 300, 10)
+    assert codec.parse_header(_reassemble(chunk, good)).members[1].name == members[1][0]  # the crafting is honest
+    _refused(_reassemble(chunk, good[:-3]), olds, "corrupt member table")  # cut inside an entry
+    _refused(_reassemble(chunk, good + b"\x00"), olds, "trailing bytes")
+    _refused(_reassemble(chunk, _entry(0, a, 300, 10) + _entry(0, a, 300, 10)), olds, "named twice")
+    _refused(_reassemble(chunk, _entry(0, a, 300, 10) + _entry(0, b, 301, 10)), olds, "covers 601 elements")
+    _refused(_reassemble(chunk, _entry(0, b"\xff\xfe", 300, 10) + _entry(0, b, 300, 10)), olds, "not UTF-8")
+
+
+def test_member_name_reference_out_of_range_is_refused():
+    """A member names itself by a prefix of the name before it: a prefix longer than that
+    name (an id into the table beyond its end) is refused."""
+    olds, members, chunk = _two()
+    a, b = (m[0].encode() for m in members)
+    _refused(_reassemble(chunk, _entry(0, a, 300, 10) + _entry(len(a) + 5, b"x", 300, 10)), olds, "refers to")
+    _refused(_reassemble(chunk, _entry(3, a, 300, 10) + _entry(0, b, 300, 10)), olds, "refers to")
+    _refused(_reassemble(chunk, _entry(0, a, 300, 10), m=2), olds, "ends inside entry 1")
+
+
+def test_batched_chunk_truncated_mid_tensor_is_refused():
+    olds, members, chunk = _two()
+    for cut in (len(chunk) // 2, len(chunk) - 9, 20):
+        _refused(chunk[:cut], olds, "checksum|truncated")
+    with pytest.raises(codec.ChunkError, match="truncated|runs past"):
+        codec.split_chunks(chunk[:len(chunk) - 20])
+    # the counts say the first tensor's changes end one later than its positions do
+    a, b = (m[0].encode() for m in members)
+    _refused(_reassemble(chunk, _entry(0, a, 300, 11) + _entry(0, b, 300, 9)), olds, "declares 11 changes")
+
+
+def test_a_batch_is_not_applied_as_one_tensor():
+    olds, _, chunk = _two()
+    with pytest.raises(codec.ChunkError, match="batched"):
+        codec.apply_chunk(chunk, next(iter(olds.values())).clone())
+    with pytest.raises(codec.ChunkError, match="batched"):
+        codec.decode_chunk(chunk)
+
+
+def test_format_1_chunk_is_refused_by_version():
+    data = (GOLDEN / "delta_v1.dcr").read_bytes()
+    v1 = data[8:]  # the first chunk starts after the file header
+    with pytest.raises(codec.ChunkError, match="unsupported chunk format version 1"):
+        codec.parse_header(v1[:200])
+    with pytest.raises(codec.ChunkError, match="version 1"):
+        codec.chunk_end(memoryview(v1), 0)

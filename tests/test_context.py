@@ -1,0 +1,172 @@
+"""Context-modelled coding (issue 35): positions and tokens coded per class of the old value's
+exponent. The oracle is the new tensor; the decoder reads the receiver's old bits, so a wrong
+base or none at all must be refused, never silently misapplied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import context
+from nemo_dcr_callback.codec import format as fmt
+from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.sender.delta import take_delta
+
+
+def _adam_like(numel: int, lr: float, seed: int, dtype=torch.bfloat16):
+    """Weights of mixed magnitude moved by about lr each (an Adam step): small weights change
+    far more often than large ones, which is what the contexts exploit."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=g) * torch.logspace(-3, 0, numel)[torch.randperm(numel, generator=g)]
+    step = lr * torch.sign(torch.randn(numel, generator=g))
+    return master.to(dtype), (master + step).to(dtype)
+
+
+def _chunk(old, new, name="w"):
+    d = take_delta(new, old.clone(), keep_new=True)
+    plain = codec.encode_delta(name, d)
+    ctx = codec.encode_delta(name, d, old=old)
+    return d, plain, ctx
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_context_coding_is_smaller_and_lands_on_the_new_bits(dtype):
+    old, new = _adam_like(200_000, 1e-6, 0, dtype)
+    d, plain, ctx = _chunk(old, new)
+    assert d.count > 1000
+    h = codec.parse_header(ctx[0])
+    assert h.classes > 1, "the encoder kept the plain coding on data the contexts should win on"
+    # (F32 changes nearly everywhere at this step: little for the contexts to find there)
+    limit = 0.9 if dtype != torch.float32 else 1.0
+    assert sum(map(len, ctx)) < limit * sum(map(len, plain)), (sum(map(len, ctx)), sum(map(len, plain)))
+    t = old.clone()
+    for c in ctx:
+        for dc in codec.decode_parts(c, old=lambda _h: t.view(-1)):
+            codec.apply_decoded(dc, t)
+    assert torch.equal(bits(t), bits(new))
+
+
+def test_context_coded_batch_lands_on_the_new_bits():
+    pairs = {f"model.layers.{i}.mlp.down_proj.weight": _adam_like(3000 + i, 1e-6, i) for i in range(30)}
+    members, olds = [], []
+    for name, (o, n) in pairs.items():
+        d = take_delta(n, o.clone(), keep_new=True)
+        members.append((name, o.numel(), d.positions, d.xor, d.new))
+        olds.append(o)
+    chunk = codec.encode_batch(torch.bfloat16, members, olds=olds)
+    h = codec.parse_header(chunk)
+    assert h.batched and h.classes
+    state = {k: o.clone() for k, (o, _) in pairs.items()}
+    for dc in codec.decode_parts(chunk, old=lambda m: state[m.name].view(-1)):
+        codec.apply_decoded(dc, state[dc.header.name])
+    for k, (_, n) in pairs.items():
+        assert torch.equal(bits(state[k]), bits(n)), k
+
+
+def test_without_the_old_bits_it_is_refused_by_name():
+    old, new = _adam_like(50_000, 1e-6, 1)
+    _, _, ctx = _chunk(old, new, "model.norm.weight")
+    t = old.clone()
+    with pytest.raises(codec.ChunkError, match="context-coded.*old bits"):
+        codec.apply_chunk(ctx[0], t, "model.norm.weight")
+    assert torch.equal(bits(t), bits(old))
+    state = {"model.norm.weight": old.clone()}
+    from nemo_dcr_callback.receiver.targets import apply_chunks
+    with pytest.raises(codec.ChunkError, match="context-coded"):
+        apply_chunks(state, ctx)
+    assert torch.equal(bits(state["model.norm.weight"]), bits(old))
+
+
+def test_old_bits_of_the_wrong_size_are_refused():
+    old, new = _adam_like(50_000, 1e-6, 2)
+    _, _, ctx = _chunk(old, new)
+    with pytest.raises(codec.ChunkError, match="spans 50000 positions"):
+        codec.decode_parts(ctx[0], old=lambda _h: old[:100].view(-1))
+
+
+def _restream(chunk: bytes, i: int, data: bytes, raw: int, codec_id: int) -> bytes:
+    """chunk with stream i replaced, re-assembled with a valid checksum."""
+    h = codec.parse_header(chunk)
+    streams, off = [], h.payload_offset
+    for raw_len, stored, c in h.streams:
+        streams.append((raw_len, bytes(chunk[off:off + stored]), c))
+        off += stored
+    streams[i] = (raw, data, codec_id)
+    return fmt.assemble_chunk(h.name, h.kind, h.dtype, h.gap_mode, h.value_mode, h.layout, h.numel, h.lo, h.hi,
+                              h.count, streams, classes=h.classes)
+
+
+def test_corrupt_class_map_is_refused_with_nothing_decoded():
+    old, new = _adam_like(50_000, 1e-6, 3)
+    _, _, ctx = _chunk(old, new)
+    h = codec.parse_header(ctx[0])
+    bad = bytes([h.classes + 3]) * context.map_size("BF16")  # every exponent in a class that does not exist
+    with pytest.raises(codec.ChunkError, match="class map names class"):
+        codec.decode_parts(_restream(ctx[0], 0, bad, len(bad), fmt.STORED), old=lambda _h: old.view(-1))
+    # one class's changes moved to another class: the token streams no longer add up
+    k = h.classes
+    tok = h.streams[1 + k]
+    with pytest.raises(codec.ChunkError, match="do not add up"):
+        codec.parse_header(_restream(ctx[0], 1 + k, b"\x01" * (tok[0] + 1), tok[0] + 1, fmt.STORED))
+
+
+def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(tmp_path):
+    """The classes come from the base: against another base the chunk decodes to other
+    positions. The delta file's digests refuse the result, with nothing written."""
+    from safetensors.torch import save_file
+
+    from nemo_dcr_callback.tools import deltafile
+
+    old, new = _adam_like(100_000, 1e-6, 4)
+    other, _ = _adam_like(100_000, 1e-6, 5)
+    for d, t in (("old", old), ("new", new), ("other", other)):
+        (tmp_path / d).mkdir()
+        save_file({"w": t.view(100, 1000)}, str(tmp_path / d / "model.safetensors"))
+    deltafile.diff(tmp_path / "old", tmp_path / "new", tmp_path / "d.dcr", quiet=True)
+    df = deltafile.DeltaFile(tmp_path / "d.dcr")
+    assert codec.parse_header(df.read([8, df.manifest["chunk_lengths"][0]])).classes  # context-coded
+    df.close()
+    with pytest.raises(deltafile.DeltaError, match="wrong base"):
+        deltafile.patch(tmp_path / "other", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+    deltafile.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+    got, want = (tmp_path / d / "model.safetensors" for d in ("out", "new"))
+    assert got.read_bytes() == want.read_bytes()
+
+
+@pytest.mark.parametrize("span", [512, 1 << 24])
+@pytest.mark.parametrize("ctx", [True, False])
+def test_diff_patch_is_byte_exact_with_batches_and_contexts(tmp_path, span, ctx):
+    """A checkpoint of mixed tensors: norms and biases with a few changes (batched), large
+    matrices (own chunks, several where a tensor spans more than `span`), F32 and I64."""
+    from safetensors.torch import save_file
+
+    from nemo_dcr_callback.tools import deltafile
+
+    old, new = {}, {}
+    for i in range(6):
+        for part, n, lr in (("norm.weight", 300, 1e-4), ("q_proj.bias", 64, 1e-6), ("q_proj.weight", 40_000, 1e-6),
+                            ("mlp.weight", 3000, 1e-5)):
+            o, nw = _adam_like(n, lr, 100 * i + n)
+            old[f"model.layers.{i}.{part}"], new[f"model.layers.{i}.{part}"] = o, nw
+    old["scale"], new["scale"] = _adam_like(1000, 1e-6, 7, torch.float32)
+    old["step"], new["step"] = torch.tensor([3]), torch.tensor([4])
+    for d, sd in (("old", old), ("new", new)):
+        (tmp_path / d).mkdir()
+        save_file(sd, str(tmp_path / d / "model.safetensors"))
+    deltafile.diff(tmp_path / "old", tmp_path / "new", tmp_path / "d.dcr", quiet=True, span=span, context=ctx)
+    df = deltafile.DeltaFile(tmp_path / "d.dcr")
+    heads, off = [], 8
+    for n in df.manifest["chunk_lengths"]:
+        heads.append(codec.parse_header(df.read([off, n])))
+        off += n
+    df.close()
+    assert any(h.batched for h in heads)
+    if ctx and span > 512:  # (512-position chunks are too small for the class tables to pay)
+        assert any(h.classes for h in heads)
+    if not ctx:
+        assert not any(h.classes for h in heads)
+    deltafile.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+    got, want = (tmp_path / d / "model.safetensors" for d in ("out", "new"))
+    assert got.read_bytes() == want.read_bytes()
