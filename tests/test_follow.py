@@ -166,6 +166,21 @@ def test_record_digests_are_whole_tensor_digests(tmp_path):
     states = _chain(store, steps=2)
     rec = commit.read_record(store, 2)
     assert rec["digests"] == {k: digest.hexd(digest.sum64(t)) for k, t in sorted(states[2].items())}
+    # Receivers download every rank manifest: the slice digests stay out of it (sealer only).
+    for key in rec["ranks"]:
+        assert "digests" not in json.loads(store.get(key))
+    assert set(json.loads(store.get(commit.rank_sums(2, 0)))["digests"]) <= set(rec["digests"])
+
+
+def test_seal_refuses_a_rank_without_its_sums(tmp_path):
+    """A manifest whose sums object is missing (a writer that died between the two, or a
+    foreign writer) cannot be sealed into a record with wrong digests."""
+    store = FileStore(tmp_path)
+    commit.RankWriter(store, 1, 0, 0, 1).finish(0, 0, {"w": 5})
+    (tmp_path / commit.rank_sums(1, 0)).unlink()
+    with pytest.raises(RuntimeError, match="sums-00000.json: missing"):
+        commit.seal_version(store, 1, 0, 1, timeout=1)
+    assert not store.exists(commit.version_record(1))
 
 
 def test_bits_drifting_after_start_caught_by_the_apply_check(tmp_path):

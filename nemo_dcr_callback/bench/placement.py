@@ -6,7 +6,7 @@ sorted random positions (the given change rate of its shard) through them. With 
 rank then changes that share of its weights (one ulp), takes and encodes a version, and the
 table adds what a version costs beyond its payload: chunks, canonical tensors, the bytes of
 chunk headers (fixed fields, stream table, the tensor's name, checksum) and of the per-tensor
-digests in the rank manifests. Rank 0 prints a table and writes JSON.
+digests the version record carries for the rank's tensors. Rank 0 prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _encode(placement, rate: float, seed: int) -> dict:
     encode_s = time.perf_counter() - t0
     heads = [codec.parse_header(c, verify=False) for c in chunks]
     header = sum(h.payload_offset + 8 for h in heads)  # (+ the 8-byte checksum)
-    digests = len(json.dumps({n: "0" * 16 for n in placement.canonical}))  # the rank manifest's digest map
+    digests = len(json.dumps({n: "0" * 16 for n in placement.canonical}))  # the rank's share of the record's digests
     total = sum(map(len, chunks))
     names = {p.name for h in heads for p in h.parts()}
     return {"chunks": len(chunks), "tensors": len(names), "payload_bytes": total - header,

@@ -24,6 +24,7 @@ from nemo_dcr_callback.protocol.keys import (  # noqa: F401 - re-exported for co
     keyframe_dir,
     part_key,
     rank_manifest,
+    rank_sums,
     receiver_key,
     vdir,
     verify_key,
@@ -34,11 +35,17 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
     Decision,
     PartRef,
     RankManifest,
+    RankSums,
     RecordError,
     Registration,
     VersionRecord,
     check,
 )
+
+
+def _dump(obj) -> bytes:
+    """Compact JSON: every receiver downloads the manifests and records of every version."""
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def read_json(store, key: str):
@@ -142,10 +149,13 @@ class RankWriter:
         self._flush_part()
         for f in self._futs:
             f.result()  # the first upload error is raised here
+        sums = RankSums(version=self.v, base=self.base, rank=self.rank,
+                        digests={k: digest.hexd(d) for k, d in digests.items()})
+        self.store.put(rank_sums(self.v, self.rank), _dump(sums), durable=False)  # before the manifest: sealed
         m = RankManifest(version=self.v, base=self.base, rank=self.rank, world=self.world, parts=self.parts,
                          bytes=sum(p["bytes"] for p in self.parts), chunks=sum(p["chunks"] for p in self.parts),
-                         params=params, changed=changed, digests={k: digest.hexd(d) for k, d in digests.items()})
-        self.store.put(rank_manifest(self.v, self.rank), json.dumps(m).encode(), durable=False)
+                         params=params, changed=changed)
+        self.store.put(rank_manifest(self.v, self.rank), _dump(m), durable=False)
         return m
 
 
@@ -181,14 +191,18 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
             raise RuntimeError(f"{k}: manifest is for version {m['version']} on base {m['base']}, "
                                f"expected {v} on {base} (ranks disagree)")
     digests: dict[str, int] = {}
-    for m in ms.values():
-        for name, d in m["digests"].items():
+    for r in range(world):
+        sk = rank_sums(v, r)
+        sums = read_json(store, sk)  # written before the rank's manifest
+        if not isinstance(sums, dict) or sums.get("version") != v or not isinstance(sums.get("digests"), dict):
+            raise RuntimeError(f"{sk}: missing or not version {v}'s digests of rank {r}")
+        for name, d in sums["digests"].items():
             digests[name] = (digests.get(name, 0) + int(d, 16)) & digest.MASK
     rec = VersionRecord(version=v, base=base, world=world, ranks=keys, bytes=sum(m["bytes"] for m in ms.values()),
                         params=sum(m["params"] for m in ms.values()),
                         changed=sum(m["changed"] for m in ms.values()),
                         digests={k: digest.hexd(d) for k, d in sorted(digests.items())}, time=time.time())
-    if not store.put_if_absent(version_record(v), json.dumps(rec).encode()):
+    if not store.put_if_absent(version_record(v), _dump(rec)):
         rec = json.loads(store.get(version_record(v)))
     return rec
 

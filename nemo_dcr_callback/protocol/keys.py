@@ -5,8 +5,10 @@ Keys under the store's root:
     versions/{v}/rank-{r}/part-{n}.dcr  chunks back to back, each part uploaded as soon as it
                                         is full (receivers may fetch them while later ones are
                                         still being encoded)
-    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums, the rank's
-                                        additive digests; written after its last part
+    versions/{v}/sums-{r}.json          RankSums: the rank's additive slice digests, read by the
+                                        sealer only (receivers get the sums in VERSION.json)
+    versions/{v}/rank-{r}.json          RankManifest: parts with sizes and checksums; written
+                                        after its last part and its sums
     versions/{v}/VERSION.json           VersionRecord, once every rank's manifest exists:
                                         base, totals, per-tensor digests (If-None-Match)
     versions/{v}/acks/{receiver}.json   Ack: the receiver fetched and verified every chunk and
@@ -55,6 +57,12 @@ def part_key(v: int, r: int, n: int) -> str:
 
 def rank_manifest(v: int, r: int) -> str:
     return f"{vdir(v)}/rank-{r:05d}.json"
+
+
+def rank_sums(v: int, r: int) -> str:
+    """Kept out of the rank manifest that every receiver downloads: the record carries the
+    sums of these, once per tensor."""
+    return f"{vdir(v)}/sums-{r:05d}.json"
 
 
 def version_record(v: int | str) -> str:
@@ -133,7 +141,7 @@ def receiver_record(key: str) -> tuple[str, str, int | None] | None:
 
 
 def kind(key: str) -> str | None:
-    """Which object of the protocol a key names: part, rank_manifest, record, decision, ack,
+    """Which object of the protocol a key names: part, rank_manifest, rank_sums, record, decision, ack,
     registration, keyframe_model, keyframe_config, keyframe_record, verify_model, stats; None
     for any other key (a relay refuses to store it: nothing but the protocol's objects lands
     in the origin)."""
@@ -146,6 +154,8 @@ def kind(key: str) -> str | None:
             return "record" if p[2] == VERSION_FILE else "decision"
         if p[2].startswith("rank-") and p[2].endswith(".json") and p[2][5:-5].isdigit():
             return "rank_manifest"
+        if p[2].startswith("sums-") and p[2].endswith(".json") and p[2][5:-5].isdigit():
+            return "rank_sums"
     if (len(p) == 4 and p[0] == VERSIONS and p[1].isdigit() and p[2].startswith("rank-") and p[2][5:].isdigit()
             and p[3].startswith("part-") and p[3].endswith(PART_SUFFIX) and p[3][5:-len(PART_SUFFIX)].isdigit()):
         return "part"

@@ -22,6 +22,12 @@ class RankManifest(TypedDict):
     chunks: int
     params: int
     changed: int
+
+
+class RankSums(TypedDict):
+    version: int
+    base: int
+    rank: int
     digests: dict[str, str]  # canonical tensor -> additive digest of this rank's slice at `version`
 
 

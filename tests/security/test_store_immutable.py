@@ -14,7 +14,7 @@ from nemo_dcr_callback.protocol import keys
 from nemo_dcr_callback.transport.store import FileStore, ImmutableError
 
 COMMITTED = [keys.decision_key(1), keys.version_record(1), keys.part_key(1, 0, 0), keys.rank_manifest(1, 0),
-             keys.keyframe_model(1)]
+             keys.rank_sums(1, 0), keys.keyframe_model(1)]
 
 
 @pytest.mark.parametrize("key", COMMITTED)
