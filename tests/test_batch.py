@@ -153,3 +153,35 @@ def test_format_1_chunk_is_refused_by_version():
         codec.parse_header(v1[:200])
     with pytest.raises(codec.ChunkError, match="version 1"):
         codec.chunk_end(memoryview(v1), 0)
+
+
+def test_apply_all_lands_batches_and_single_chunks_in_any_order():
+    """apply_all writes runs of a batch's members in one compiled call, from the batch's
+    arrays; mixed with one-tensor chunks and with the members out of order it must still
+    land every tensor on the new bits (the oracle: the new tensors)."""
+    olds, news, members = _members([(384, 6), (4096, 300), (7, 7), (2048, 40), (50_000, 2000)])
+    batch = codec.encode_batch(torch.bfloat16, members[:4])
+    n, numel, pos, xor, nv = members[4]
+    singles = codec.encode_delta(n, take_delta(news[n], olds[n].clone(), keep_new=True), span=16384)
+    assert len(singles) > 1
+    decoded = codec.decode_parts(batch) + [d for c in singles for d in codec.decode_parts(c)]
+    decoded = decoded[2:3] + decoded[:2] + decoded[3:][::-1]  # runs split and reordered
+    state = {k: v.clone() for k, v in olds.items()}
+    codec.apply_all(decoded, [state[d.header.name] for d in decoded])
+    for k in olds:
+        assert torch.equal(bits(state[k]), bits(news[k])), k
+
+
+def test_scatter_many_refuses_a_bad_member_before_writing_any():
+    from nemo_dcr_callback.core.bitops import OP_XOR, scatter_many
+
+    targets = [torch.zeros(100, dtype=torch.int16) for _ in range(3)]
+    ones = torch.ones(3, dtype=torch.int16)
+    items = [(targets[0], torch.tensor([1, 5, 9], dtype=torch.int32), ones, OP_XOR),
+             (targets[1], torch.tensor([2, 50, 99], dtype=torch.int32), ones, OP_XOR),
+             (targets[2], torch.tensor([3, 60, 100], dtype=torch.int32), ones, OP_XOR)]  # 100: out of range
+    with pytest.raises(ValueError, match="out of range"):
+        scatter_many(items)
+    assert all(int(t.abs().sum()) == 0 for t in targets)
+    scatter_many(items[:2])
+    assert targets[0].tolist()[:10] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1] and int(targets[1][99]) == 1

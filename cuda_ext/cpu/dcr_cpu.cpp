@@ -618,6 +618,33 @@ int64_t dcr_scatter(void* target, int64_t n, int width, const void* pos, int pos
   return 0;
 }
 
+// Many tensors' scatters in one call (a batched chunk's members, a version's small tensors):
+// member i writes targets[i] (numels[i] elements) at pos[i][0:counts[i]] with vals[i]. A
+// ctypes call per tensor cost more than the writes of a small one. Every member's positions
+// are checked before anything is written: a bad one leaves every target as it was.
+int64_t dcr_scatter_many(int64_t m, void* const* targets, const int64_t* numels, const void* const* pos,
+                         const void* const* vals, const int64_t* counts, int width, int pos64, int op) {
+  if (op == 2 && width == 1) return -9;
+  for (int64_t i = 0; i < m; ++i) {
+    if (counts[i] < 0) return -10;
+    int rc = pos64 ? check_positions(static_cast<const int64_t*>(pos[i]), counts[i], numels[i])
+                   : check_positions(static_cast<const int32_t*>(pos[i]), counts[i], numels[i]);
+    if (rc) return rc;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    if (pos64) {
+      DISPATCH_WIDTH(width, apply_values<T, int64_t>(static_cast<T*>(targets[i]),
+                                                      static_cast<const int64_t*>(pos[i]),
+                                                      static_cast<const T*>(vals[i]), counts[i], op));
+    } else {
+      DISPATCH_WIDTH(width, apply_values<T, int32_t>(static_cast<T*>(targets[i]),
+                                                      static_cast<const int32_t*>(pos[i]),
+                                                      static_cast<const T*>(vals[i]), counts[i], op));
+    }
+  }
+  return 0;
+}
+
 // Zig-zag ulp differences of XOR values, given the new values at the same positions.
 int64_t dcr_ulp_encode(const void* vals, const void* newv, int64_t count, int width, void* out) {
   if (width == 1) return -9;

@@ -22,6 +22,7 @@ from nemo_dcr_callback.codec import digest, streams
 from nemo_dcr_callback.codec.bounds import delta_bound_bits, entropy_bits, position_bound_bits, values_info_bits
 from nemo_dcr_callback.codec.decode import (
     DecodedChunk,
+    apply_all,
     apply_chunk,
     apply_decoded,
     check_target,
@@ -67,7 +68,7 @@ from nemo_dcr_callback.codec.streams import GapMode
 __all__ = [
     "BY_CODE", "BY_NAME", "BY_TORCH", "DEFAULT_CHUNK_SPAN", "DTYPES", "FORMAT_VERSION", "MAGIC", "MAX_NAME",
     "RANS", "STORED", "ZSTD", "ChunkError", "ChunkHeader", "DType", "DecodedChunk", "GapMode", "Kind", "Layout",
-    "ValueMode", "apply_chunk", "apply_decoded", "check_target", "checksum", "chunk_end", "decode_chunk",
+    "ValueMode", "apply_all", "apply_chunk", "apply_decoded", "check_target", "checksum", "chunk_end", "decode_chunk",
     "decode_parts", "encode_batch",
     "delta_bound_bits", "digest", "dtype_info", "encode_chunk", "encode_delta", "encode_overwrite",
     "encode_sparse", "encode_xor_slice", "entropy_bits", "parse_header", "position_bound_bits", "split_chunks",

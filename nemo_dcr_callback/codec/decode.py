@@ -35,7 +35,18 @@ from nemo_dcr_callback.codec.streams import (
     join_tokens,
     token_values,
 )
-from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, index_dtype, scatter
+from nemo_dcr_callback.core import kernels
+from nemo_dcr_callback.core.bitops import (
+    BITS_DTYPE,
+    INT32_LIMIT,
+    OP_OVERWRITE,
+    OP_ULP,
+    OP_XOR,
+    bits,
+    index_dtype,
+    scatter,
+    scatter_many,
+)
 
 _tls = threading.local()
 
@@ -75,10 +86,40 @@ def _streams(mv: memoryview, h: ChunkHeader) -> list[np.ndarray]:
 
 
 @dataclass
+class _Batch:
+    """A decoded batch's arrays, shared by its members' DecodedChunks: apply_all writes a run
+    of them in one compiled call from pointer arithmetic, without a torch call per member."""
+    positions: torch.Tensor  # every member's positions, each relative to its own tensor
+    values: torch.Tensor
+    starts: np.ndarray  # member i's changes are [starts[i], starts[i + 1])
+
+
 class DecodedChunk:
-    header: ChunkHeader
-    positions: torch.Tensor  # flat positions (int32/int64), strictly increasing
-    values: torch.Tensor  # in the chunk's coding: XOR bits, zig-zag ulp or new bits
+    """One tensor's decoded changes. A batch member's positions and values are views of the
+    batch's arrays, made only when asked for: apply_all writes a batch without them, and a
+    view per member cost more than a small member's writes."""
+
+    __slots__ = ("header", "_positions", "_values", "batch", "index")
+
+    def __init__(self, header: ChunkHeader, positions: torch.Tensor | None, values: torch.Tensor | None,
+                 batch: _Batch | None = None, index: int = 0):
+        self.header, self._positions, self._values, self.batch, self.index = header, positions, values, batch, index
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Flat positions (int32/int64), strictly increasing."""
+        if self._positions is None:
+            s, e = int(self.batch.starts[self.index]), int(self.batch.starts[self.index + 1])
+            self._positions = self.batch.positions[s:e]
+        return self._positions
+
+    @property
+    def values(self) -> torch.Tensor:
+        """In the chunk's coding: XOR bits, zig-zag ulp or new bits."""
+        if self._values is None:
+            s, e = int(self.batch.starts[self.index]), int(self.batch.starts[self.index + 1])
+            self._values = self.batch.values[s:e]
+        return self._values
 
     @property
     def op(self) -> int:
@@ -162,16 +203,25 @@ def decode_parts(buf: bytes | memoryview, header: ChunkHeader | None = None, old
     if not h.batched:
         return [decode_chunk(mv, h, old)]
     pos, vals = _decode(mv, h, old)
-    ends = torch.tensor([m.offset + m.numel for m in h.members], dtype=torch.int64)
-    cut = torch.searchsorted(pos.to(torch.int64), ends).tolist()
-    out, s = [], 0
-    for m, e in zip(h.members, cut, strict=True):
-        if e - s != m.count:
-            raise ChunkError(f"batched chunk: member {m.name!r} declares {m.count} changes, its range holds "
-                             f"{e - s} (corrupt chunk)")
-        out.append(DecodedChunk(m, (pos[s:e] - m.offset).to(index_dtype(m.numel)), vals[s:e]))
-        s = e
-    return out
+    # Vectorized over the members: a batch holds hundreds of small tensors, and a torch op
+    # per member cost more than decoding the whole batch.
+    ms = h.members
+    offs = np.fromiter((m.offset for m in ms), np.int64, len(ms))
+    counts = np.fromiter((m.count for m in ms), np.int64, len(ms))
+    ends = offs + np.fromiter((m.numel for m in ms), np.int64, len(ms))
+    p = pos.numpy()
+    cut = np.searchsorted(p, ends)
+    held = np.diff(cut, prepend=0)
+    bad = np.flatnonzero(held != counts)
+    if bad.size:
+        m = ms[int(bad[0])]
+        raise ChunkError(f"batched chunk: member {m.name!r} declares {m.count} changes, its range holds "
+                         f"{int(held[bad[0]])} (corrupt chunk)")
+    rel = p.astype(np.int64) - np.repeat(offs, counts)
+    big = max(m.numel for m in ms) > INT32_LIMIT
+    rel_t = torch.from_numpy(rel if big else rel.astype(np.int32))
+    b = _Batch(rel_t, vals, np.concatenate([[0], cut]).astype(np.int64))
+    return [DecodedChunk(m, None, None, b, i) for i, m in enumerate(ms)]
 
 
 def check_target(h: ChunkHeader, target: torch.Tensor, name: str | None) -> None:
@@ -187,6 +237,52 @@ def check_target(h: ChunkHeader, target: torch.Tensor, name: str | None) -> None
 def apply_decoded(d: DecodedChunk, target: torch.Tensor) -> None:
     """Write a decoded (hence verified) chunk into target in place."""
     scatter(target, d.positions, d.values, d.op)
+
+
+def apply_all(decoded: list[DecodedChunk], targets: list[torch.Tensor]) -> None:
+    """apply_decoded for each (decoded chunk, target) pair. A run of one batch's members goes
+    to the compiled scatter in one call, its pointers computed from the batch's arrays; the
+    rest through core.bitops.scatter_many. A checkpoint's hundreds of small tensors made the
+    torch and ctypes calls per tensor cost more than their writes."""
+    if len(decoded) != len(targets):
+        raise ValueError(f"{len(decoded)} decoded chunks for {len(targets)} targets")
+    lib = kernels.native()
+    rest: list[int] = []
+    i, n = 0, len(decoded)
+    while i < n:
+        b = decoded[i].batch
+        j = i + 1
+        while j < n and decoded[j].batch is b and b is not None:
+            j += 1
+        if b is None or lib is None or j - i < 2 or not _run_to_native(lib, decoded, targets, i, j, b):
+            rest += range(i, j)
+        i = j
+    if rest:
+        scatter_many([(targets[k], decoded[k].positions, decoded[k].values, decoded[k].op) for k in rest])
+
+
+def _run_to_native(lib, decoded: list[DecodedChunk], targets: list[torch.Tensor], i: int, j: int, b: _Batch) -> bool:
+    """decoded[i:j], members of batch b, into their targets in one call; False (nothing
+    written) where a target is not a contiguous host tensor of the batch's width."""
+    w = b.values.element_size()
+    ts = targets[i:j]
+    if not all(t.is_cpu and t.is_contiguous() and t.element_size() == w for t in ts):
+        return False
+    m = j - i
+    idx = np.fromiter((decoded[k].index for k in range(i, j)), np.int64, m)
+    numels = np.fromiter((t.numel() for t in ts), np.int64, m)
+    if np.any(numels != np.fromiter((decoded[k].header.numel for k in range(i, j)), np.int64, m)):
+        return False  # the per-member path refuses it with the tensor named
+    ptrs = np.fromiter((t.data_ptr() for t in ts), np.int64, m)
+    start = b.starts[idx]
+    pos_ptrs = b.positions.data_ptr() + start * b.positions.element_size()
+    val_ptrs = b.values.data_ptr() + start * w
+    counts = b.starts[idx + 1] - start
+    rc = lib.dcr_scatter_many(m, ptrs.ctypes.data, numels.ctypes.data, pos_ptrs.ctypes.data, val_ptrs.ctypes.data,
+                              counts.ctypes.data, w, int(b.positions.dtype == torch.int64), decoded[i].op)
+    if rc < 0:
+        raise ChunkError(f"batched chunk: the compiled scatter refused its positions ({rc})")
+    return True
 
 
 def apply_chunk(buf: bytes | memoryview, target: torch.Tensor, name: str | None = None) -> ChunkHeader:

@@ -7,7 +7,7 @@ directions (`assemble_chunk` writes it, `parse_header` verifies it) so the two c
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 import torch
@@ -245,17 +245,49 @@ def _stream_specs(gm: GapMode, lay: Layout, info: DType, count: int, span: int,
     return specs
 
 
+_FIELDS = tuple(f.name for f in fields(ChunkHeader))
+
+
+def _vi(buf: bytes, p: int) -> tuple[int, int]:
+    """(varint at p, the offset after it); IndexError past the end."""
+    b = buf[p]
+    if b < 0x80:
+        return b, p + 1
+    n, shift, p = b & 0x7F, 7, p + 1
+    while True:
+        b = buf[p]
+        p += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, p
+        shift += 7
+        if shift > 63:
+            raise ChunkError("varint longer than 64 bits (corrupt member table)")
+
+
 def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[ChunkHeader, ...]:
-    """A batch's member headers from its (decompressed) member table, every field checked."""
-    r, out, prev, off, seen, n_sum = _Reader(memoryview(raw)), [], b"", 0, set(), 0
+    """A batch's member headers from its (decompressed) member table, every field checked.
+    Plain loops over bytes: a batch has up to MAX_MEMBERS entries, parsed on every decode."""
+    buf, end = bytes(raw), len(raw)
+    out, prev, off, p, seen, n_sum = [], b"", 0, 0, set(), 0
+    tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (), 0,
+                              h["classes"]), strict=True))
     try:
         for i in range(m):
-            k, s = r.varint(), r.varint()
+            k = buf[p]  # the one-byte varints inline: most of a member's fields are one byte
+            k, p = (k, p + 1) if k < 0x80 else _vi(buf, p)
+            s = buf[p]
+            s, p = (s, p + 1) if s < 0x80 else _vi(buf, p)
             if k > len(prev) or k + s > MAX_NAME:
                 raise ChunkError(f"member table entry {i}: name refers to {k} bytes of a {len(prev)}-byte name "
                                  "(corrupt member table)")
-            nb = prev[:k] + bytes(r.take(s))
-            numel, c = r.varint(), r.varint()
+            if p + s > end:
+                raise IndexError
+            nb = prev[:k] + buf[p:p + s]
+            p += s
+            numel, p = _vi(buf, p)
+            c = buf[p]
+            c, p = (c, p + 1) if c < 0x80 else _vi(buf, p)
             try:
                 name = nb.decode()
             except UnicodeDecodeError:
@@ -263,14 +295,19 @@ def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Chunk
             if c > numel or name in seen:
                 raise ChunkError(f"member table entry {i} ({name!r}): count {c} of {numel} elements, or named twice")
             seen.add(name)
-            out.append(ChunkHeader(name, h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], numel, 0, numel, c,
-                                   (), 0, (), off, h["classes"]))
+            # (ChunkHeader is frozen: its __init__ sets each field through object.__setattr__,
+            # twice the cost of filling the instance dict, and a batch makes hundreds)
+            mh = object.__new__(ChunkHeader)
+            d = mh.__dict__
+            d.update(tmpl)
+            d["name"], d["numel"], d["hi"], d["count"], d["offset"] = name, numel, numel, c, off
+            out.append(mh)
             off += numel
             n_sum += c
             prev = nb
-    except _Short:
+    except IndexError:
         raise ChunkError(f"member table ends inside entry {len(out)} of {m} (corrupt member table)") from None
-    if r.off != len(raw):
+    if p != end:
         raise ChunkError("member table has trailing bytes (corrupt member table)")
     if off != total or n_sum != count:
         raise ChunkError(f"member table covers {off} elements and {n_sum} changes, the chunk {total} and {count} "

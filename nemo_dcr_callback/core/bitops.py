@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nemo_dcr_callback.core import kernels
@@ -50,11 +51,28 @@ class SparseDelta:
 
 
 OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
+_INDEX = (torch.int32, torch.int64)
 
 
 def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:
     """target[positions] (^=, =, ulp+=) values, in place. Positions are validated first.
     A CUDA target goes to the CUDA kernel (positions and values may be on the host)."""
+    lib = kernels.native()
+    # The common case first, with no views made: a receiver applies one call per tensor a
+    # version touches, and a checkpoint's many small tensors made the views cost more than
+    # the writes.
+    if (lib is not None and target.is_cpu and positions.is_cpu and values.is_cpu and target.is_contiguous()
+            and positions.dtype in _INDEX and values.element_size() == target.element_size()
+            and values.numel() == positions.numel()):
+        if not positions.is_contiguous():
+            positions = positions.contiguous()
+        if not values.is_contiguous():
+            values = values.contiguous()
+        rc = lib.dcr_scatter(target.data_ptr(), target.numel(), target.element_size(), positions.data_ptr(),
+                             int(positions.dtype == torch.int64), values.data_ptr(), positions.numel(), op)
+        if rc < 0:
+            raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
+        return
     if target.is_cuda:
         from nemo_dcr_callback.core import cuda_kernels
 
@@ -63,7 +81,6 @@ def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
         positions, values = positions.cpu(), values.cpu()
     t = bits(target)
     values = values.contiguous().view(t.dtype) if values.dtype != t.dtype else values.contiguous()
-    lib = kernels.native()
     if lib is not None and positions.dtype in (torch.int32, torch.int64):
         positions = positions.contiguous()
         rc = lib.dcr_scatter(t.data_ptr(), t.numel(), t.element_size(), positions.data_ptr(),
@@ -73,6 +90,52 @@ def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
             raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
         return
     scatter_reference(t, positions, values, op)
+
+
+def scatter_many(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> None:
+    """scatter() for each (target, positions, values, op), in one compiled call per run of
+    items alike in width, index type and op where every tensor is a contiguous host tensor
+    (a checkpoint's small tensors: a call per tensor cost more than its writes). Every
+    position of a run is checked before any of it is written."""
+    lib = kernels.native()
+    run: list = []
+
+    def flush() -> None:
+        if not run:
+            return
+        if len(run) == 1:
+            scatter(*run[0])
+        else:
+            t0, p0, _, op = run[0]
+            m = len(run)
+            arr = np.empty((5, m), dtype=np.int64)
+            arr[0] = [t.data_ptr() for t, _, _, _ in run]
+            arr[1] = [t.numel() for t, _, _, _ in run]
+            arr[2] = [p.data_ptr() for _, p, _, _ in run]
+            arr[3] = [v.data_ptr() for _, _, v, _ in run]
+            arr[4] = [p.numel() for _, p, _, _ in run]
+            rc = lib.dcr_scatter_many(m, arr[0].ctypes.data, arr[1].ctypes.data, arr[2].ctypes.data,
+                                      arr[3].ctypes.data, arr[4].ctypes.data, t0.element_size(),
+                                      int(p0.dtype == torch.int64), op)
+            if rc < 0:
+                raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
+        run.clear()
+
+    key = None
+    for item in items:
+        t, p, v, op = item
+        w = t.element_size()
+        fast = (lib is not None and t.is_cpu and p.is_cpu and v.is_cpu and t.is_contiguous() and p.is_contiguous()
+                and v.is_contiguous() and v.element_size() == w and v.numel() == p.numel())
+        k = (w, p.dtype, op) if fast and p.dtype in _INDEX else None
+        if k is None or k != key:
+            flush()
+        if k is None:
+            scatter(t, p, v, op)
+        else:
+            run.append(item)
+        key = k
+    flush()
 
 
 def ulp_negate(values: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,7 @@ class StateDictTarget:
         codec.check_target(h, t, h.name)
 
     def apply(self, decoded: list[codec.DecodedChunk]) -> None:
-        for d in decoded:
-            codec.apply_decoded(d, self.tensors[d.header.name].view(-1))
+        codec.apply_all(decoded, [self.tensors[d.header.name].view(-1) for d in decoded])
 
     def apply_with_terms(self, decoded: list[codec.DecodedChunk]) -> dict[str, tuple[int, int]]:
         """apply() fused with the digest check: per tensor, the digest terms of the touched
