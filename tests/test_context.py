@@ -111,6 +111,41 @@ def test_corrupt_class_map_is_refused_with_nothing_decoded():
         codec.parse_header(_restream(ctx[0], 1 + k, b"\x01" * (tok[0] + 1), tok[0] + 1, fmt.STORED))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiled_and_numpy_context_decoders_land_on_the_new_bits(dtype, monkeypatch):
+    """The compiled walk over the old bits and the numpy sort by class are two decoders of
+    the same streams: each must land on the new tensor."""
+    old, new = _adam_like(80_000, 1e-6 if dtype != torch.float32 else 1e-8, 11, dtype)
+    _, _, ctx = _chunk(old, new)
+    assert any(codec.parse_header(c).classes for c in ctx)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(context.kernels, "native", lambda: None)
+        t = old.clone().view(-1)
+        for c in ctx:
+            for d in codec.decode_parts(c, old=lambda _h, t=t: t):
+                codec.apply_decoded(d, t)
+        assert torch.equal(bits(t), bits(new).view(-1)), native
+
+
+def test_a_rank_beyond_its_class_is_refused():
+    """A class's gap stream naming a rank past the class's population (which only the walk
+    over the old bits knows) is refused, not applied somewhere else."""
+    from nemo_dcr_callback.codec.streams import GapMode, encode_gaps
+
+    old, new = _adam_like(50_000, 1e-6, 12)
+    _, _, ctx = _chunk(old, new)
+    h = codec.parse_header(ctx[0])
+    assert h.classes > 1
+    c = h.streams[1 + h.classes][0]  # class 0's change count (its token stream's length)
+    ranks = torch.arange(c, dtype=torch.int64)
+    ranks[-1] = h.hi - h.lo - 1  # the range's last position: beyond class 0's population
+    gaps = encode_gaps(ranks, 0, h.hi - h.lo, GapMode.GAP8).tobytes()
+    bad = _restream(ctx[0], 1, gaps, len(gaps), fmt.STORED)
+    with pytest.raises(codec.ChunkError, match="class 0 declares"):
+        codec.decode_parts(bad, old=lambda _h: old.view(-1))
+
+
 def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(tmp_path):
     """The classes come from the base: against another base the chunk decodes to other
     positions. The delta file's digests refuse the result, with nothing written."""

@@ -645,6 +645,44 @@ int64_t dcr_scatter_many(int64_t m, void* const* targets, const int64_t* numels,
   return 0;
 }
 
+// Context-coded positions (codec/context.py): each changed position is sent as its rank
+// among the positions of its class, the class being cls_map[old exponent]. One walk over
+// the old bits counts every class's positions; where class c's count reaches its next rank,
+// that position is emitted. Emitted in increasing position order, each with src: its index
+// in the ranks (class by class, rank_starts[c]..rank_starts[c + 1]), which also indexes the
+// class's tokens. Returns the number emitted, or -(c + 1) if class c's ranks are not all
+// found (one beyond its population, or not increasing). class_counts gets each population.
+int64_t dcr_ctx_positions(const void* old, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map,
+                          int k, const int64_t* ranks, const int64_t* rank_starts, int64_t* pos_out,
+                          int64_t* src_out, int64_t* class_counts) {
+  if (k < 1 || k > 16 || (width != 2 && width != 4)) return -100;
+  int64_t cnt[16] = {0}, nxt[16], j[16];
+  constexpr int64_t kNone = INT64_MAX;
+  for (int c = 0; c < k; ++c) {
+    j[c] = rank_starts[c];
+    nxt[c] = j[c] < rank_starts[c + 1] ? ranks[j[c]] : kNone;
+  }
+  const uint32_t mask = (1u << nbits) - 1;
+  int64_t t = 0;
+  DISPATCH_WIDTH(width, {
+    const T* v = static_cast<const T*>(old);
+    for (int64_t i = 0; i < n; ++i) {
+      const int c = cls_map[(static_cast<uint32_t>(v[i]) >> shift) & mask];
+      if (__builtin_expect(cnt[c] == nxt[c], 0)) {
+        pos_out[t] = i;
+        src_out[t++] = j[c]++;
+        nxt[c] = j[c] < rank_starts[c + 1] ? ranks[j[c]] : kNone;
+      }
+      ++cnt[c];
+    }
+  });
+  for (int c = 0; c < k; ++c) {
+    class_counts[c] = cnt[c];
+    if (j[c] != rank_starts[c + 1]) return -(c + 1);
+  }
+  return t;
+}
+
 // Zig-zag ulp differences of XOR values, given the new values at the same positions.
 int64_t dcr_ulp_encode(const void* vals, const void* newv, int64_t count, int width, void* out) {
   if (width == 1) return -9;

@@ -173,8 +173,8 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
     raw = [s[0] for s in h.streams]
     codecs = [s[2] for s in h.streams]
     dec = [ans_decode(st[i], raw[i]) if codecs[i] == RANS else st[i] for i in range(len(st))]
-    exp_all = context.exponents(old_bits, h.dtype.name)
-    return context.join(dec[0], exp_all, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1], BITS_DTYPE[h.dtype.width], idt)
+    return context.join_old(dec[0], old_bits.contiguous(), h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
+                            BITS_DTYPE[h.dtype.width], idt)
 
 
 def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None, old: OldBits | None = None

@@ -38,6 +38,8 @@ _SIGNATURES = {
     ),
     "dcr_scatter": (c_i64, [c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_i64, c_int]),
     "dcr_scatter_many": (c_i64, [c_i64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_int]),
+    "dcr_ctx_positions": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p,
+                                  c_void_p, c_void_p, c_void_p]),
     "dcr_ulp_encode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_tokens": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_void_p, c_void_p, c_void_p]),
     "dcr_ans_bound": (c_i64, [c_i64]),
