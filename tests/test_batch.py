@@ -185,3 +185,21 @@ def test_scatter_many_refuses_a_bad_member_before_writing_any():
     assert all(int(t.abs().sum()) == 0 for t in targets)
     scatter_many(items[:2])
     assert targets[0].tolist()[:10] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1] and int(targets[1][99]) == 1
+
+
+def test_compiled_member_table_parser_agrees_with_the_python_one():
+    """The compiled parser reads the varints; the Python one (used for every refusal, and
+    without the kernels) is the reference: same members, same fields."""
+    names = [f"model.layers.{i // 3}.mlp.experts.{i}.{p}.weight" for i in range(300) for p in ("up_proj", "down_proj")]
+    members = [(n, 1000 + 37 * i, i % 50) for i, n in enumerate(names)]
+    table = fmt.member_table(members)
+    h = {"kind": codec.Kind.XOR, "dtype": codec.dtype_info(torch.bfloat16), "gm": codec.GapMode.GAP8,
+         "vm": codec.ValueMode.RAW, "lay": codec.Layout.TOKENS, "classes": 0}
+    total, count = sum(m[1] for m in members), sum(m[2] for m in members)
+    fast = fmt._members(table, len(members), h, total, count)
+    ref = fmt._members_py(table, len(members), h, total, count)
+    assert [(m.name, m.numel, m.count, m.offset, m.hi) for m in fast] == \
+        [(m.name, m.numel, m.count, m.offset, m.hi) for m in ref]
+    assert fast == ref
+    with pytest.raises(codec.ChunkError, match="ends inside entry 599"):
+        fmt._members(table[:-1], len(members), h, total, count)

@@ -683,6 +683,42 @@ int64_t dcr_ctx_positions(const void* old, int64_t n, int width, int shift, int 
   return t;
 }
 
+// A batch's member table (codec/format.py member_table): m entries of var prefix, var
+// suffix length, the suffix, var numel, var count. Fills out[5 * i ..] with prefix, suffix
+// length, the suffix's offset, numel and count, checking every field that needs no name;
+// the caller builds the names. Returns 0, or -(i + 1) for a malformed or truncated entry i
+// (-(m + 1): trailing bytes); the caller's own parser then names the problem.
+static bool table_varint(const uint8_t* buf, int64_t len, int64_t& p, int64_t& v) {
+  uint64_t n = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (p >= len) return false;
+    const uint8_t b = buf[p++];
+    n |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if (b < 0x80) {
+      if (n > static_cast<uint64_t>(INT64_MAX)) return false;
+      v = static_cast<int64_t>(n);
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t dcr_member_table(const uint8_t* buf, int64_t len, int64_t m, int64_t max_name, int64_t* out) {
+  int64_t p = 0, prev = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    int64_t k, s, numel, c;
+    if (!table_varint(buf, len, p, k) || !table_varint(buf, len, p, s)) return -(i + 1);
+    if (k > prev || s > max_name || k + s > max_name || s > len - p) return -(i + 1);
+    const int64_t off = p;
+    p += s;
+    if (!table_varint(buf, len, p, numel) || !table_varint(buf, len, p, c) || c > numel) return -(i + 1);
+    int64_t* o = out + 5 * i;
+    o[0] = k; o[1] = s; o[2] = off; o[3] = numel; o[4] = c;
+    prev = k + s;
+  }
+  return p == len ? 0 : -(m + 1);
+}
+
 // Zig-zag ulp differences of XOR values, given the new values at the same positions.
 int64_t dcr_ulp_encode(const void* vals, const void* newv, int64_t count, int width, void* out) {
   if (width == 1) return -9;

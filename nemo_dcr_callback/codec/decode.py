@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -38,7 +40,6 @@ from nemo_dcr_callback.codec.streams import (
 from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.core.bitops import (
     BITS_DTYPE,
-    INT32_LIMIT,
     OP_OVERWRITE,
     OP_ULP,
     OP_XOR,
@@ -129,6 +130,8 @@ class DecodedChunk:
         return OP_ULP if h.value_mode == ValueMode.ULP else OP_XOR
 
 
+_NUMEL, _COUNT, _INDEX_OF, _HEADER = attrgetter("numel"), attrgetter("count"), attrgetter("index"), attrgetter("header")
+
 OldBits = Callable[[ChunkHeader], torch.Tensor]  # a tensor's header -> the receiver's flat tensor
 
 
@@ -206,9 +209,10 @@ def decode_parts(buf: bytes | memoryview, header: ChunkHeader | None = None, old
     # Vectorized over the members: a batch holds hundreds of small tensors, and a torch op
     # per member cost more than decoding the whole batch.
     ms = h.members
-    offs = np.fromiter((m.offset for m in ms), np.int64, len(ms))
-    counts = np.fromiter((m.count for m in ms), np.int64, len(ms))
-    ends = offs + np.fromiter((m.numel for m in ms), np.int64, len(ms))
+    numels = np.fromiter(map(_NUMEL, ms), np.int64, len(ms))
+    counts = np.fromiter(map(_COUNT, ms), np.int64, len(ms))
+    ends = np.cumsum(numels)  # members are concatenated in order (the table parser checks it)
+    offs = ends - numels
     p = pos.numpy()
     cut = np.searchsorted(p, ends)
     held = np.diff(cut, prepend=0)
@@ -217,11 +221,12 @@ def decode_parts(buf: bytes | memoryview, header: ChunkHeader | None = None, old
         m = ms[int(bad[0])]
         raise ChunkError(f"batched chunk: member {m.name!r} declares {m.count} changes, its range holds "
                          f"{int(held[bad[0]])} (corrupt chunk)")
-    rel = p.astype(np.int64) - np.repeat(offs, counts)
-    big = max(m.numel for m in ms) > INT32_LIMIT
-    rel_t = torch.from_numpy(rel if big else rel.astype(np.int32))
-    b = _Batch(rel_t, vals, np.concatenate([[0], cut]).astype(np.int64))
-    return [DecodedChunk(m, None, None, b, i) for i, m in enumerate(ms)]
+    # Each member's positions made relative to its own tensor, in place and in the decoder's
+    # index type (the batch's: its members are smaller): passes over every change, so as few
+    # and as narrow as can be.
+    np.subtract(p, np.repeat(offs.astype(p.dtype), counts), out=p)
+    b = _Batch(pos, vals, np.concatenate([[0], cut]).astype(np.int64))
+    return list(map(DecodedChunk, ms, repeat(None), repeat(None), repeat(b), range(len(ms))))
 
 
 def check_target(h: ChunkHeader, target: torch.Tensor, name: str | None) -> None:
@@ -269,11 +274,12 @@ def _run_to_native(lib, decoded: list[DecodedChunk], targets: list[torch.Tensor]
     if not all(t.is_cpu and t.is_contiguous() and t.element_size() == w for t in ts):
         return False
     m = j - i
-    idx = np.fromiter((decoded[k].index for k in range(i, j)), np.int64, m)
-    numels = np.fromiter((t.numel() for t in ts), np.int64, m)
-    if np.any(numels != np.fromiter((decoded[k].header.numel for k in range(i, j)), np.int64, m)):
+    run = decoded[i:j]
+    idx = np.fromiter(map(_INDEX_OF, run), np.int64, m)
+    numels = np.fromiter(map(torch.Tensor.numel, ts), np.int64, m)
+    if np.any(numels != np.fromiter(map(_NUMEL, map(_HEADER, run)), np.int64, m)):
         return False  # the per-member path refuses it with the tensor named
-    ptrs = np.fromiter((t.data_ptr() for t in ts), np.int64, m)
+    ptrs = np.fromiter(map(torch.Tensor.data_ptr, ts), np.int64, m)
     start = b.starts[idx]
     pos_ptrs = b.positions.data_ptr() + start * b.positions.element_size()
     val_ptrs = b.values.data_ptr() + start * w

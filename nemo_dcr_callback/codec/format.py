@@ -10,11 +10,13 @@ import struct
 from dataclasses import dataclass, fields
 from enum import IntEnum
 
+import numpy as np
 import torch
 import xxhash
 
 from nemo_dcr_callback.codec import context
 from nemo_dcr_callback.codec.streams import GapMode, gap_bound
+from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.core.bitops import bits
 
 MAGIC = b"DCRC"
@@ -267,7 +269,41 @@ def _vi(buf: bytes, p: int) -> tuple[int, int]:
 
 def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[ChunkHeader, ...]:
     """A batch's member headers from its (decompressed) member table, every field checked.
-    Plain loops over bytes: a batch has up to MAX_MEMBERS entries, parsed on every decode."""
+    The compiled kernels read the varints (a batch has up to MAX_MEMBERS entries, parsed on
+    every decode); anything they refuse, and every machine without them, goes through the
+    Python parser, which names the problem."""
+    lib = kernels.native()
+    if lib is None or m == 0:
+        return _members_py(raw, m, h, total, count)
+    buf = bytes(raw)
+    fields_ = np.empty(5 * m, dtype=np.int64)
+    if lib.dcr_member_table(buf, len(buf), m, MAX_NAME, fields_.ctypes.data) != 0:
+        return _members_py(raw, m, h, total, count)
+    f = fields_.reshape(m, 5)
+    if int(f[:, 3].sum()) != total or int(f[:, 4].sum()) != count:
+        return _members_py(raw, m, h, total, count)
+    tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (), 0,
+                              h["classes"]), strict=True))
+    out, prev, off = [], b"", 0
+    try:
+        for k, s, o, numel, c in f.tolist():
+            nb = prev[:k] + buf[o:o + s]
+            mh = object.__new__(ChunkHeader)  # (why: _members_py)
+            d = mh.__dict__
+            d.update(tmpl)
+            d["name"], d["numel"], d["hi"], d["count"], d["offset"] = nb.decode(), numel, numel, c, off
+            out.append(mh)
+            off += numel
+            prev = nb
+    except UnicodeDecodeError:
+        return _members_py(raw, m, h, total, count)
+    if len({x.name for x in out}) != m:
+        return _members_py(raw, m, h, total, count)
+    return tuple(out)
+
+
+def _members_py(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[ChunkHeader, ...]:
+    """_members in plain loops over bytes, with the error naming each problem."""
     buf, end = bytes(raw), len(raw)
     out, prev, off, p, seen, n_sum = [], b"", 0, 0, set(), 0
     tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (), 0,

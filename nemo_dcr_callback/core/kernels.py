@@ -38,6 +38,7 @@ _SIGNATURES = {
     ),
     "dcr_scatter": (c_i64, [c_void_p, c_i64, c_int, c_void_p, c_int, c_void_p, c_i64, c_int]),
     "dcr_scatter_many": (c_i64, [c_i64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_int]),
+    "dcr_member_table": (c_i64, [c_void_p, c_i64, c_i64, c_i64, c_void_p]),
     "dcr_ctx_positions": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p,
                                   c_void_p, c_void_p, c_void_p]),
     "dcr_ulp_encode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_void_p]),
