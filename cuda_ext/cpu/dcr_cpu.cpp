@@ -645,42 +645,179 @@ int64_t dcr_scatter_many(int64_t m, void* const* targets, const int64_t* numels,
   return 0;
 }
 
+}  // extern "C"
+
+namespace {
+
+struct CtxWalk {
+  int64_t cnt[16] = {0}, nxt[16], j[16];
+  const int64_t* ranks;
+  const int64_t* rs;
+  int64_t* pos_out;
+  int64_t* src_out;
+  int64_t t = 0;
+  inline void advance(int c) {
+    ++j[c];
+    nxt[c] = j[c] < rs[c + 1] ? ranks[j[c]] : INT64_MAX;
+  }
+};
+
+template <class T>
+static void ctx_scalar(CtxWalk& w, const T* v, int64_t lo, int64_t hi, int64_t base, int shift, uint32_t mask,
+                       const uint8_t* cls_map) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const int c = cls_map[(static_cast<uint32_t>(v[i]) >> shift) & mask];
+    if (__builtin_expect(w.cnt[c] == w.nxt[c], 0)) {
+      w.pos_out[w.t] = base + i;
+      w.src_out[w.t++] = w.j[c];
+      w.advance(c);
+    }
+    ++w.cnt[c];
+  }
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+// 64 elements at a time: their exponent bytes, their classes by two 128-entry byte
+// permutes, and per class one compare and a popcount; only a class whose next rank falls
+// inside the block is looked at bit by bit (pdep selects the rank's bit). The scalar walk's
+// counter chain (a load and store per element) cost about 2 ns an element.
+template <class T>
+static inline __m512i ctx_exps64(const T* v, int shift, uint32_t mask) {
+  if constexpr (sizeof(T) == 2) {
+    const __m512i m = _mm512_set1_epi16(static_cast<int16_t>(mask));
+    const __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(v), _mm_cvtsi32_si128(shift)), m);
+    const __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(v + 32), _mm_cvtsi32_si128(shift)), m);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(b), 1);
+  } else {
+    const __m512i m = _mm512_set1_epi32(static_cast<int32_t>(mask));
+    __m128i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i x = _mm512_and_si512(_mm512_srl_epi32(_mm512_loadu_si512(v + 16 * k), _mm_cvtsi32_si128(shift)), m);
+      q[k] = _mm512_cvtepi32_epi8(x);
+    }
+    __m512i r = _mm512_castsi128_si512(q[0]);
+    r = _mm512_inserti32x4(r, q[1], 1);
+    r = _mm512_inserti32x4(r, q[2], 2);
+    return _mm512_inserti32x4(r, q[3], 3);
+  }
+}
+
+template <class T>
+static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, int shift, int nbits,
+                        const uint8_t* map256) {
+  const __m512i t0 = _mm512_loadu_si512(map256), t1 = _mm512_loadu_si512(map256 + 64);
+  const __m512i t2 = _mm512_loadu_si512(map256 + 128), t3 = _mm512_loadu_si512(map256 + 192);
+  const uint32_t mask = (1u << nbits) - 1;
+  // The walk's state in locals: stores to the int64 outputs could alias the struct's int64
+  // arrays, which made the compiler reload every counter after each emission.
+  int64_t cnt[16], nxt[16], j[16], end[16];
+  for (int c = 0; c < k; ++c) {
+    cnt[c] = w.cnt[c];
+    nxt[c] = w.nxt[c];
+    j[c] = w.j[c];
+    end[c] = w.rs[c + 1];
+  }
+  const int64_t* __restrict ranks = w.ranks;
+  int64_t* __restrict pos_out = w.pos_out;
+  int64_t* __restrict src_out = w.src_out;
+  int64_t t = w.t;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i e = ctx_exps64(v + i, shift, mask);
+    __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);  // entries 0..127 (e & 127)
+    if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+    int64_t bp[64], bs[64];
+    int nb = 0;
+    for (int c = 0; c < k; ++c) {
+      const uint64_t m = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
+      const int64_t pc = __builtin_popcountll(m), lo = cnt[c];
+      int64_t r = nxt[c] - lo;
+      while (r >= 0 && r < pc) {
+        bp[nb] = base + i + __builtin_ctzll(_pdep_u64(1ULL << r, m));
+        bs[nb++] = j[c]++;
+        nxt[c] = j[c] < end[c] ? ranks[j[c]] : INT64_MAX;
+        r = nxt[c] - lo;
+      }
+      cnt[c] = lo + pc;
+    }
+    if (nb) {
+      for (int a = 1; a < nb; ++a) {  // the block's few emissions, into position order
+        const int64_t p = bp[a], q = bs[a];
+        int b = a - 1;
+        while (b >= 0 && bp[b] > p) {
+          bp[b + 1] = bp[b];
+          bs[b + 1] = bs[b];
+          --b;
+        }
+        bp[b + 1] = p;
+        bs[b + 1] = q;
+      }
+      std::memcpy(pos_out + t, bp, sizeof(int64_t) * nb);
+      std::memcpy(src_out + t, bs, sizeof(int64_t) * nb);
+      t += nb;
+    }
+  }
+  for (int c = 0; c < k; ++c) {
+    w.cnt[c] = cnt[c];
+    w.nxt[c] = nxt[c];
+    w.j[c] = j[c];
+  }
+  w.t = t;
+  return i;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
 // Context-coded positions (codec/context.py): each changed position is sent as its rank
 // among the positions of its class, the class being cls_map[old exponent]. One walk over
-// the old bits counts every class's positions; where class c's count reaches its next rank,
-// that position is emitted. Emitted in increasing position order, each with src: its index
-// in the ranks (class by class, rank_starts[c]..rank_starts[c + 1]), which also indexes the
-// class's tokens. Returns the number emitted, or -(c + 1) if class c's ranks are not all
-// found (one beyond its population, or not increasing). class_counts gets each population.
-int64_t dcr_ctx_positions(const void* old, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map,
-                          int k, const int64_t* ranks, const int64_t* rank_starts, int64_t* pos_out,
-                          int64_t* src_out, int64_t* class_counts) {
-  if (k < 1 || k > 16 || (width != 2 && width != 4)) return -100;
-  int64_t cnt[16] = {0}, nxt[16], j[16];
-  constexpr int64_t kNone = INT64_MAX;
+// the old bits (segs: the chunk's range, a batch's members one after another) counts every
+// class's positions; where class c's count reaches its next rank, that position is emitted.
+// Emitted in increasing position order, each with src: its index in the ranks (class by
+// class, rank_starts[c]..rank_starts[c + 1]), which also indexes the class's tokens.
+// Returns the number emitted, or -(c + 1) if class c's ranks are not all found (one beyond
+// its population, or not increasing). class_counts gets each population.
+int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t nseg, int width, int shift,
+                          int nbits, const uint8_t* cls_map, int k, const int64_t* ranks, const int64_t* rank_starts,
+                          int64_t* pos_out, int64_t* src_out, int64_t* class_counts) {
+  if (k < 1 || k > 16 || (width != 2 && width != 4) || nbits < 1 || nbits > 8) return -100;
+  CtxWalk w;
+  w.ranks = ranks;
+  w.rs = rank_starts;
+  w.pos_out = pos_out;
+  w.src_out = src_out;
   for (int c = 0; c < k; ++c) {
-    j[c] = rank_starts[c];
-    nxt[c] = j[c] < rank_starts[c + 1] ? ranks[j[c]] : kNone;
+    w.j[c] = rank_starts[c];
+    w.nxt[c] = w.j[c] < rank_starts[c + 1] ? ranks[w.j[c]] : INT64_MAX;
   }
+  uint8_t map256[256] = {0};
+  std::memcpy(map256, cls_map, size_t{1} << nbits);
   const uint32_t mask = (1u << nbits) - 1;
-  int64_t t = 0;
-  DISPATCH_WIDTH(width, {
-    const T* v = static_cast<const T*>(old);
-    for (int64_t i = 0; i < n; ++i) {
-      const int c = cls_map[(static_cast<uint32_t>(v[i]) >> shift) & mask];
-      if (__builtin_expect(cnt[c] == nxt[c], 0)) {
-        pos_out[t] = i;
-        src_out[t++] = j[c]++;
-        nxt[c] = j[c] < rank_starts[c + 1] ? ranks[j[c]] : kNone;
-      }
-      ++cnt[c];
+  int64_t base = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    int64_t done = 0;
+    if (width == 2) {
+      const uint16_t* v = static_cast<const uint16_t*>(segs[s]);
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+      if (!std::getenv("NEMO_DCR_NO_AVX512")) done = ctx_simd(w, k, v, lens[s], base, shift, nbits, map256);
+#endif
+      ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
+    } else {
+      const uint32_t* v = static_cast<const uint32_t*>(segs[s]);
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+      if (!std::getenv("NEMO_DCR_NO_AVX512")) done = ctx_simd(w, k, v, lens[s], base, shift, nbits, map256);
+#endif
+      ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
     }
-  });
-  for (int c = 0; c < k; ++c) {
-    class_counts[c] = cnt[c];
-    if (j[c] != rank_starts[c + 1]) return -(c + 1);
+    base += lens[s];
   }
-  return t;
+  for (int c = 0; c < k; ++c) {
+    class_counts[c] = w.cnt[c];
+    if (w.j[c] != rank_starts[c + 1]) return -(c + 1);
+  }
+  return w.t;
 }
 
 // A batch's member table (codec/format.py member_table): m entries of var prefix, var

@@ -148,21 +148,23 @@ def join(cls_map: np.ndarray, exp_all: np.ndarray, gap_streams: list[np.ndarray]
     return torch.from_numpy(p[perm]).to(idt), values
 
 
-def join_old(cls_map: np.ndarray, old_bits: torch.Tensor, dtype_name: str, gap_streams: list[np.ndarray],
+def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str, gap_streams: list[np.ndarray],
              tok_streams: list[np.ndarray], esc: np.ndarray, bits_dtype: torch.dtype,
              idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """join() from the old bits of the chunk's range themselves. With the compiled kernels
-    one walk over the old bits finds every position (the numpy path sorts the whole range
-    by class, about 20 ns an element: a hundred times a copy)."""
+    """join() from the old bits of the chunk's range themselves (segments: flat bit views,
+    one after another; a batch's members). With the compiled kernels one walk over them
+    finds every position, with no copy (the numpy path concatenates them and sorts the
+    whole range by class, about 20 ns an element: a hundred times a copy)."""
     lib = kernels.native()
     k = len(tok_streams)
-    if lib is None or not old_bits.is_cpu or not old_bits.is_contiguous():
+    if lib is None or not all(t.is_cpu and t.is_contiguous() for t in segments):
+        old_bits = torch.cat([t.reshape(-1) for t in segments]) if len(segments) != 1 else segments[0]
         return join(cls_map, exponents(old_bits, dtype_name), gap_streams, tok_streams, esc, bits_dtype, idt)
     if cls_map.size != map_size(dtype_name):
         raise StreamError(f"class map has {cls_map.size} entries, not {map_size(dtype_name)}")
     if cls_map.size and int(cls_map.max()) >= k:
         raise StreamError(f"class map names class {int(cls_map.max())} of {k}")
-    n = old_bits.numel()
+    n = sum(t.numel() for t in segments)
     # each class's changes as ranks in its own position order; the kernel checks each rank
     # against the class's population, which only the walk knows
     ranks = [decode_gaps(gap_streams[j], GapMode.GAP8, tok_streams[j].size, 0, max(n, 1), torch.int64).numpy()
@@ -176,9 +178,11 @@ def join_old(cls_map: np.ndarray, old_bits: torch.Tensor, dtype_name: str, gap_s
     populations = np.zeros(k, dtype=np.int64)
     cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
     shift, nbits = _EXPONENT[dtype_name]
-    rc = lib.dcr_ctx_positions(old_bits.data_ptr(), n, old_bits.element_size(), shift, nbits, cmap.ctypes.data, k,
-                               flat_ranks.ctypes.data, starts.ctypes.data, pos.ctypes.data, src.ctypes.data,
-                               populations.ctypes.data)
+    ptrs = np.array([t.data_ptr() for t in segments], dtype=np.uint64)
+    lens = np.array([t.numel() for t in segments], dtype=np.int64)
+    rc = lib.dcr_ctx_positions(ptrs.ctypes.data, lens.ctypes.data, len(segments), segments[0].element_size(), shift,
+                               nbits, cmap.ctypes.data, k, flat_ranks.ctypes.data, starts.ctypes.data,
+                               pos.ctypes.data, src.ctypes.data, populations.ctypes.data)
     if rc < 0:
         c = -rc - 1
         raise StreamError(f"class {c} declares {tok_streams[c].size} changes among {int(populations[c])} positions")

@@ -166,17 +166,21 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
         raise ChunkError(f"chunk for {what!r} is context-coded: decoding it needs the receiver's old bits, and "
                          "this path does not pass them")
     if h.members:
-        old_bits = torch.cat([bits(old(m)).reshape(-1) for m in h.members])
+        segments = [bits(old(m)).reshape(-1) for m in h.members]
+        for m, t in zip(h.members, segments, strict=True):
+            if t.numel() != m.numel:
+                raise ChunkError(f"chunk for {what!r}: member {m.name!r} spans {m.numel} positions, the receiver's "
+                                 f"tensor holds {t.numel()}")
     else:
-        old_bits = bits(old(h)).reshape(-1)[h.lo:h.hi]
-    if old_bits.numel() != h.hi - h.lo:
-        raise ChunkError(f"chunk for {what!r} spans {h.hi - h.lo} positions, the receiver's tensor(s) hold "
-                         f"{old_bits.numel()}")
+        segments = [bits(old(h)).reshape(-1)[h.lo:h.hi]]
+    held = sum(t.numel() for t in segments)
+    if held != h.hi - h.lo:
+        raise ChunkError(f"chunk for {what!r} spans {h.hi - h.lo} positions, the receiver's tensor(s) hold {held}")
     k = h.classes
     raw = [s[0] for s in h.streams]
     codecs = [s[2] for s in h.streams]
     dec = [ans_decode(st[i], raw[i]) if codecs[i] == RANS else st[i] for i in range(len(st))]
-    return context.join_old(dec[0], old_bits.contiguous(), h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
+    return context.join_old(dec[0], segments, h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
                             BITS_DTYPE[h.dtype.width], idt)
 
 
