@@ -976,9 +976,12 @@ def test_a_dormant_relay_lists_its_parent_rarely_and_still_finds_a_new_version(t
         await asyncio.sleep(2.0)
         dormant = len(origin.at) - n0
         gen = relay.gen
-        origin.store.put("versions/0000000001/rank-00000.json", b'{"parts": []}')
+        key = "versions/0000000001/rank-00000.json"
+        origin.store.put(key, b'{"parts": []}')
         t0 = time.monotonic()
-        while relay.gen == gen and time.monotonic() - t0 < 5:
+        # until the object itself is announced: the new version's folder is announced first,
+        # and stopping the watcher at that first change raced the object's pull
+        while key not in (relay.changed_since(gen, True) or []) and time.monotonic() - t0 < 5:
             await asyncio.sleep(0.01)
         found = time.monotonic() - t0
         watcher.cancel()
