@@ -52,11 +52,30 @@ def _keep_cpu_weights() -> None:
     orig = utils.dispatch_cpu_unquantized_gemm
 
     def keep(layer, remove_weight: bool) -> None:
-        orig(layer, remove_weight=False)
+        _dispatch_keeping(orig, layer)
 
     utils.dispatch_cpu_unquantized_gemm = keep
     utils._dcr_dispatch = orig
     setattr(utils, _KEEP, True)
+
+
+def _dispatch_keeping(orig, layer) -> None:
+    """vLLM's CPU GEMM dispatch for `layer`, keeping its weight, and its bias in the loaded
+    dtype and storage. On CPUs with AMX, small layers go to a kernel that wants an fp32
+    bias, and the dispatch swaps the bias Parameter's data for a widened copy: the loader
+    would then convert into it (not a plain copy) and an apply's in-place writes would land
+    in storage nobody reads. The Parameter keeps its storage; the kernel gets the fp32 copy,
+    made again at each repack."""
+    bias = getattr(layer, "bias", None)
+    held = bias.data if isinstance(bias, torch.Tensor) else None
+    orig(layer, remove_weight=False)
+    bias = getattr(layer, "bias", None)
+    if held is None or not isinstance(bias, torch.Tensor) or bias.data is held or bias.dtype == held.dtype:
+        return
+    wide = bias.data
+    bias.data = held  # widened from these bits, so nothing is lost
+    fn = layer.cpu_linear
+    layer.cpu_linear = lambda x, weight, _bias, _fn=fn, _wide=wide: _fn(x, weight, _wide)
 
 
 _EXPERTS = ("w13_weight", "w2_weight")
@@ -386,7 +405,7 @@ class DCRWorkerExtension:
             from vllm.model_executor.layers import utils
 
             for m in layers:
-                utils._dcr_dispatch(m, remove_weight=False)
+                _dispatch_keeping(utils._dcr_dispatch, m)
         with torch.no_grad():
             for m in experts:
                 m._dcr_pack()
