@@ -154,7 +154,7 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     """join() from the old bits of the chunk's range themselves (segments: flat bit views,
     one after another; a batch's members). With the compiled kernels one walk over them
     finds every position, with no copy (the numpy path concatenates them and sorts the
-    whole range by class, about 20 ns an element: a hundred times a copy)."""
+    whole range by class, far slower than a copy: docs/PERFORMANCE.md)."""
     lib = kernels.native()
     k = len(tok_streams)
     if lib is None or not all(t.is_cpu and t.is_contiguous() for t in segments):
