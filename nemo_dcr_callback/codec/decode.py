@@ -106,20 +106,21 @@ class DecodedChunk:
                  batch: _Batch | None = None, index: int = 0):
         self.header, self._positions, self._values, self.batch, self.index = header, positions, values, batch, index
 
+    def _of_batch(self, arr: torch.Tensor) -> torch.Tensor:
+        return arr[int(self.batch.starts[self.index]):int(self.batch.starts[self.index + 1])]
+
     @property
     def positions(self) -> torch.Tensor:
         """Flat positions (int32/int64), strictly increasing."""
         if self._positions is None:
-            s, e = int(self.batch.starts[self.index]), int(self.batch.starts[self.index + 1])
-            self._positions = self.batch.positions[s:e]
+            self._positions = self._of_batch(self.batch.positions)
         return self._positions
 
     @property
     def values(self) -> torch.Tensor:
         """In the chunk's coding: XOR bits, zig-zag ulp or new bits."""
         if self._values is None:
-            s, e = int(self.batch.starts[self.index]), int(self.batch.starts[self.index + 1])
-            self._values = self.batch.values[s:e]
+            self._values = self._of_batch(self.batch.values)
         return self._values
 
     @property

@@ -250,21 +250,21 @@ def _stream_specs(gm: GapMode, lay: Layout, info: DType, count: int, span: int,
 _FIELDS = tuple(f.name for f in fields(ChunkHeader))
 
 
-def _vi(buf: bytes, p: int) -> tuple[int, int]:
-    """(varint at p, the offset after it); IndexError past the end."""
-    b = buf[p]
-    if b < 0x80:
-        return b, p + 1
-    n, shift, p = b & 0x7F, 7, p + 1
-    while True:
-        b = buf[p]
-        p += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, p
-        shift += 7
-        if shift > 63:
-            raise ChunkError("varint longer than 64 bits (corrupt member table)")
+class _MemberHeaders:
+    """Builds a batch's member headers. ChunkHeader is frozen: its __init__ sets each field
+    through object.__setattr__, twice the cost of filling the instance dict, and a batch
+    makes hundreds; the fields all members share are filled from one template."""
+
+    def __init__(self, h: dict):
+        self.tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (),
+                                       0, h["classes"]), strict=True))
+
+    def make(self, name: str, numel: int, count: int, offset: int) -> ChunkHeader:
+        mh = object.__new__(ChunkHeader)
+        d = mh.__dict__
+        d.update(self.tmpl)
+        d["name"], d["numel"], d["hi"], d["count"], d["offset"] = name, numel, numel, count, offset
+        return mh
 
 
 def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[ChunkHeader, ...]:
@@ -282,17 +282,12 @@ def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Chunk
     f = fields_.reshape(m, 5)
     if int(f[:, 3].sum()) != total or int(f[:, 4].sum()) != count:
         return _members_py(raw, m, h, total, count)
-    tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (), 0,
-                              h["classes"]), strict=True))
+    make = _MemberHeaders(h).make
     out, prev, off = [], b"", 0
     try:
         for k, s, o, numel, c in f.tolist():
             nb = prev[:k] + buf[o:o + s]
-            mh = object.__new__(ChunkHeader)  # (why: _members_py)
-            d = mh.__dict__
-            d.update(tmpl)
-            d["name"], d["numel"], d["hi"], d["count"], d["offset"] = nb.decode(), numel, numel, c, off
-            out.append(mh)
+            out.append(make(nb.decode(), numel, c, off))
             off += numel
             prev = nb
     except UnicodeDecodeError:
@@ -303,27 +298,17 @@ def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Chunk
 
 
 def _members_py(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[ChunkHeader, ...]:
-    """_members in plain loops over bytes, with the error naming each problem."""
-    buf, end = bytes(raw), len(raw)
-    out, prev, off, p, seen, n_sum = [], b"", 0, 0, set(), 0
-    tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (), 0,
-                              h["classes"]), strict=True))
+    """_members in Python, with the error naming each problem."""
+    r, out, prev, off, seen, n_sum = _Reader(memoryview(raw)), [], b"", 0, set(), 0
+    make = _MemberHeaders(h).make
     try:
         for i in range(m):
-            k = buf[p]  # the one-byte varints inline: most of a member's fields are one byte
-            k, p = (k, p + 1) if k < 0x80 else _vi(buf, p)
-            s = buf[p]
-            s, p = (s, p + 1) if s < 0x80 else _vi(buf, p)
+            k, s = r.varint(), r.varint()
             if k > len(prev) or k + s > MAX_NAME:
                 raise ChunkError(f"member table entry {i}: name refers to {k} bytes of a {len(prev)}-byte name "
                                  "(corrupt member table)")
-            if p + s > end:
-                raise IndexError
-            nb = prev[:k] + buf[p:p + s]
-            p += s
-            numel, p = _vi(buf, p)
-            c = buf[p]
-            c, p = (c, p + 1) if c < 0x80 else _vi(buf, p)
+            nb = prev[:k] + bytes(r.take(s))
+            numel, c = r.varint(), r.varint()
             try:
                 name = nb.decode()
             except UnicodeDecodeError:
@@ -331,19 +316,13 @@ def _members_py(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Ch
             if c > numel or name in seen:
                 raise ChunkError(f"member table entry {i} ({name!r}): count {c} of {numel} elements, or named twice")
             seen.add(name)
-            # (ChunkHeader is frozen: its __init__ sets each field through object.__setattr__,
-            # twice the cost of filling the instance dict, and a batch makes hundreds)
-            mh = object.__new__(ChunkHeader)
-            d = mh.__dict__
-            d.update(tmpl)
-            d["name"], d["numel"], d["hi"], d["count"], d["offset"] = name, numel, numel, c, off
-            out.append(mh)
+            out.append(make(name, numel, c, off))
             off += numel
             n_sum += c
             prev = nb
-    except IndexError:
+    except _Short:
         raise ChunkError(f"member table ends inside entry {len(out)} of {m} (corrupt member table)") from None
-    if p != end:
+    if r.off != len(raw):
         raise ChunkError("member table has trailing bytes (corrupt member table)")
     if off != total or n_sum != count:
         raise ChunkError(f"member table covers {off} elements and {n_sum} changes, the chunk {total} and {count} "

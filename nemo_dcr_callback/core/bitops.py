@@ -54,6 +54,14 @@ OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
 _INDEX = (torch.int32, torch.int64)
 
 
+def _native_ready(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> bool:
+    """Can the compiled scatter take these as they are (host tensors, a contiguous target,
+    int32/int64 positions, one value of the target's width per position)?"""
+    return (target.is_cpu and positions.is_cpu and values.is_cpu and target.is_contiguous()
+            and positions.dtype in _INDEX and values.element_size() == target.element_size()
+            and values.numel() == positions.numel())
+
+
 def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: int) -> None:
     """target[positions] (^=, =, ulp+=) values, in place. Positions are validated first.
     A CUDA target goes to the CUDA kernel (positions and values may be on the host)."""
@@ -61,9 +69,7 @@ def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
     # The common case first, with no views made: a receiver applies one call per tensor a
     # version touches, and a checkpoint's many small tensors made the views cost more than
     # the writes.
-    if (lib is not None and target.is_cpu and positions.is_cpu and values.is_cpu and target.is_contiguous()
-            and positions.dtype in _INDEX and values.element_size() == target.element_size()
-            and values.numel() == positions.numel()):
+    if lib is not None and _native_ready(target, positions, values):
         if not positions.is_contiguous():
             positions = positions.contiguous()
         if not values.is_contiguous():
@@ -124,10 +130,8 @@ def scatter_many(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int
     key = None
     for item in items:
         t, p, v, op = item
-        w = t.element_size()
-        fast = (lib is not None and t.is_cpu and p.is_cpu and v.is_cpu and t.is_contiguous() and p.is_contiguous()
-                and v.is_contiguous() and v.element_size() == w and v.numel() == p.numel())
-        k = (w, p.dtype, op) if fast and p.dtype in _INDEX else None
+        fast = lib is not None and _native_ready(t, p, v) and p.is_contiguous() and v.is_contiguous()
+        k = (t.element_size(), p.dtype, op) if fast else None
         if k is None or k != key:
             flush()
         if k is None:

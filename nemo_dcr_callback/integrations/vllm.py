@@ -70,7 +70,7 @@ def _dispatch_keeping(orig, layer) -> None:
     held = bias.data if isinstance(bias, torch.Tensor) else None
     orig(layer, remove_weight=False)
     bias = getattr(layer, "bias", None)
-    if held is None or not isinstance(bias, torch.Tensor) or bias.data is held or bias.dtype == held.dtype:
+    if held is None or not isinstance(bias, torch.Tensor) or bias.dtype == held.dtype:
         return
     wide = bias.data
     bias.data = held  # widened from these bits, so nothing is lost
