@@ -600,22 +600,31 @@ int64_t dcr_delta(const void* cur, void* base, int64_t n, int width, void* pos, 
 
 // Scatter sorted (pos, val) into target of n elements with op (see apply_values).
 // Validates every position first: returns < 0 and writes nothing on bad input.
-int64_t dcr_scatter(void* target, int64_t n, int width, const void* pos, int pos64,
-                    const void* vals, int64_t count, int op) {
-  int rc = pos64 ? check_positions(static_cast<const int64_t*>(pos), count, n)
-                 : check_positions(static_cast<const int32_t*>(pos), count, n);
-  if (rc) return rc;
-  if (op == 2 && width == 1) return -9;
+// One tensor's scatter, in two steps so that many tensors' positions can all be checked
+// before any is written (dcr_scatter_many).
+static int check_scatter(const void* pos, int pos64, int64_t count, int64_t n) {
+  return pos64 ? check_positions(static_cast<const int64_t*>(pos), count, n)
+               : check_positions(static_cast<const int32_t*>(pos), count, n);
+}
+
+static int64_t apply_scatter(void* target, int width, const void* pos, int pos64, const void* vals, int64_t count,
+                             int op) {
   if (pos64) {
-    DISPATCH_WIDTH(width, apply_values<T, int64_t>(static_cast<T*>(target),
-                                                    static_cast<const int64_t*>(pos),
+    DISPATCH_WIDTH(width, apply_values<T, int64_t>(static_cast<T*>(target), static_cast<const int64_t*>(pos),
                                                     static_cast<const T*>(vals), count, op));
   } else {
-    DISPATCH_WIDTH(width, apply_values<T, int32_t>(static_cast<T*>(target),
-                                                    static_cast<const int32_t*>(pos),
+    DISPATCH_WIDTH(width, apply_values<T, int32_t>(static_cast<T*>(target), static_cast<const int32_t*>(pos),
                                                     static_cast<const T*>(vals), count, op));
   }
   return 0;
+}
+
+int64_t dcr_scatter(void* target, int64_t n, int width, const void* pos, int pos64,
+                    const void* vals, int64_t count, int op) {
+  int rc = check_scatter(pos, pos64, count, n);
+  if (rc) return rc;
+  if (op == 2 && width == 1) return -9;
+  return apply_scatter(target, width, pos, pos64, vals, count, op);
 }
 
 // Many tensors' scatters in one call (a batched chunk's members, a version's small tensors):
@@ -627,20 +636,12 @@ int64_t dcr_scatter_many(int64_t m, void* const* targets, const int64_t* numels,
   if (op == 2 && width == 1) return -9;
   for (int64_t i = 0; i < m; ++i) {
     if (counts[i] < 0) return -10;
-    int rc = pos64 ? check_positions(static_cast<const int64_t*>(pos[i]), counts[i], numels[i])
-                   : check_positions(static_cast<const int32_t*>(pos[i]), counts[i], numels[i]);
+    int rc = check_scatter(pos[i], pos64, counts[i], numels[i]);
     if (rc) return rc;
   }
   for (int64_t i = 0; i < m; ++i) {
-    if (pos64) {
-      DISPATCH_WIDTH(width, apply_values<T, int64_t>(static_cast<T*>(targets[i]),
-                                                      static_cast<const int64_t*>(pos[i]),
-                                                      static_cast<const T*>(vals[i]), counts[i], op));
-    } else {
-      DISPATCH_WIDTH(width, apply_values<T, int32_t>(static_cast<T*>(targets[i]),
-                                                      static_cast<const int32_t*>(pos[i]),
-                                                      static_cast<const T*>(vals[i]), counts[i], op));
-    }
+    int64_t rc = apply_scatter(targets[i], width, pos[i], pos64, vals[i], counts[i], op);
+    if (rc) return rc;
   }
   return 0;
 }
@@ -797,19 +798,17 @@ int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t 
   const uint32_t mask = (1u << nbits) - 1;
   int64_t base = 0;
   for (int64_t s = 0; s < nseg; ++s) {
-    int64_t done = 0;
+    auto walk = [&](const auto* v) {
+      int64_t done = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+      if (!std::getenv("NEMO_DCR_NO_AVX512")) done = ctx_simd(w, k, v, lens[s], base, shift, nbits, map256);
+#endif
+      ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
+    };
     if (width == 2) {
-      const uint16_t* v = static_cast<const uint16_t*>(segs[s]);
-#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
-      if (!std::getenv("NEMO_DCR_NO_AVX512")) done = ctx_simd(w, k, v, lens[s], base, shift, nbits, map256);
-#endif
-      ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
+      walk(static_cast<const uint16_t*>(segs[s]));
     } else {
-      const uint32_t* v = static_cast<const uint32_t*>(segs[s]);
-#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
-      if (!std::getenv("NEMO_DCR_NO_AVX512")) done = ctx_simd(w, k, v, lens[s], base, shift, nbits, map256);
-#endif
-      ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
+      walk(static_cast<const uint32_t*>(segs[s]));
     }
     base += lens[s];
   }
