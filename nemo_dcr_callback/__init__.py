@@ -1,6 +1,8 @@
 """nemo-dcr: delta-compressed refit of RL policies, from Megatron/NeMo trainers to rollout
-workers, bit-exact. Data path (one module per stage, imports point down):
-delta (kernel) -> codec (chunks) -> deltafile / transport -> receiver."""
+workers, bit-exact. Data path (docs/ARCHITECTURE.md), sender side down, receiver side up:
+core.delta (the kernel) -> placement (canonical coordinates) -> codec (chunks) ->
+protocol.upload -> transport (store or relay) -> protocol.commit (the joint commit) ->
+receiver (verify, apply). Sender and receiver meet only in protocol/."""
 
 __version__ = "0.1.0"
 

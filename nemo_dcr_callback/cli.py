@@ -21,7 +21,7 @@ import sys
 
 from nemo_dcr_callback.commands import COMMANDS, add_commands
 from nemo_dcr_callback.commands.dev import VersionAction
-from nemo_dcr_callback.transport.urls import redact
+from nemo_dcr_callback.protocol.store import redact
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (2 on an error it reports)."""
     args = build_parser().parse_args(argv)
     from nemo_dcr_callback.codec import ChunkError
-    from nemo_dcr_callback.tools.checkpoint import CheckpointError
+    from nemo_dcr_callback.codec.checkpoint import CheckpointError
     from nemo_dcr_callback.tools.deltafile import DeltaError
 
     try:

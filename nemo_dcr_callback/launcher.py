@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -163,3 +165,18 @@ def receiver_id(template: str, env: Mapping[str, str] | None = None) -> str:
 def setup() -> LaunchEnv:
     """detect() then export(): call first thing in an entry point."""
     return export(detect())
+
+
+# ------------------------------------------------------------------ starting ranks on this host
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, target: list[str]) -> list[str]:
+    """The command running target (a script path, or "-m", module) under torchrun with nproc
+    local processes, rendezvous on a free loopback port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), *target]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -19,21 +19,21 @@ warnings.filterwarnings("ignore")
 def main() -> int:
     url = sys.argv[1]
     worker = sys.argv[2] if len(sys.argv) > 2 else "process"
-    from nemo_dcr_callback.testing import megatron_cpu
+    from nemo_dcr_callback.recipes import megatron_cpu
 
     rank = megatron_cpu.init_gloo(2, 1, timeout_s=300)
-    from nemo_dcr_callback.core.bitops import bits
+    from nemo_dcr_callback.core.rawbits import bits
     from nemo_dcr_callback.placement import FAMILIES, dense_export
     from nemo_dcr_callback.protocol import commit
     from nemo_dcr_callback.receiver import Follower
-    from nemo_dcr_callback.sender.publisher import Publisher
-    from nemo_dcr_callback.testing.megatron_model import (
+    from nemo_dcr_callback.recipes.megatron_model import (
         TEST_GPT,
         TinyGPTConfig,
         build_model,
         train_step,
         wrap_for_training,
     )
+    from nemo_dcr_callback.sender.publisher import Publisher
     from nemo_dcr_callback.transport.store import open_store
 
     cfg = TinyGPTConfig(**TEST_GPT)
@@ -93,6 +93,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from nemo_dcr_callback.testing.megatron_cpu import exit_worker
+    from nemo_dcr_callback.recipes.megatron_cpu import exit_worker
 
     exit_worker(main())

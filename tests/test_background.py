@@ -11,7 +11,7 @@ import torch
 from conftest import perturb
 from test_follow import _model, _publish
 
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver.background import BackgroundFollower
 from nemo_dcr_callback.receiver.targets import StateDictTarget

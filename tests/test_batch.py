@@ -14,9 +14,9 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import format as fmt
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.delta import take_delta
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.receiver.targets import apply_chunks
-from nemo_dcr_callback.sender.delta import take_delta
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -173,7 +173,8 @@ def test_apply_all_lands_batches_and_single_chunks_in_any_order():
 
 
 def test_scatter_many_refuses_a_bad_member_before_writing_any():
-    from nemo_dcr_callback.core.bitops import OP_XOR, scatter_many
+    from nemo_dcr_callback.core.bitops import scatter_many
+    from nemo_dcr_callback.core.rawbits import OP_XOR
 
     targets = [torch.zeros(100, dtype=torch.int16) for _ in range(3)]
     ones = torch.ones(3, dtype=torch.int16)

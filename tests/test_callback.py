@@ -9,8 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from nemo_dcr_callback.testing.launch import torchrun_cmd
-from nemo_dcr_callback.testing.megatron_cpu import BF16_GEMM_ENV
+from nemo_dcr_callback.launcher import torchrun_cmd
+from nemo_dcr_callback.recipes.megatron_cpu import BF16_GEMM_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_callback_from_yaml_with_overrides(tmp_path, monkeypatch):
                "model.num_query_groups=2", "model.vocab_size=500", "model.seq_length=32",
                "model.tie_word_embeddings=true", "optimizer.lr=1e-5", f"dcr.store=file://{store}", "dcr.verify=true")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    versions = re.findall(r"dcr: version (\d+): receiver bit-exact with the dense export", p.stdout)
+    versions = re.findall(r"dcr: version (\d+): the store's chain is bit-exact with the dense export", p.stdout)
     assert versions == ["1", "2", "3"], p.stdout[-3000:]
     products = re.search(r"cpu run mode: step 1 computed (\d+) bf16 matrix products in fp32", p.stdout)
     # at least the forward of 2 micro-batches x 2 layers x 4 linear layers (QKV, proj, fc1, fc2)

@@ -10,7 +10,7 @@ from conftest import perturb
 from safetensors.torch import load_file, save_file
 from test_follow import _chain
 
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
 from nemo_dcr_callback.transport.store import FileStore

@@ -18,7 +18,7 @@ import torch
 from conftest import perturb, random_tensor
 from safetensors.torch import load_file, save_file
 
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 
 CLI = [str(Path(sys.executable).parent / "nemo-dcr")]
 

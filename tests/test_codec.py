@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import ChunkError, GapMode, Kind, Layout, ValueMode, streams
-from nemo_dcr_callback.core import bitops
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender import delta
+from nemo_dcr_callback.core import bitops, delta
+from nemo_dcr_callback.core.rawbits import bits
 
 SHAPES = [(), (1,), (5,), (63,), (130, 7), (1000,), (3, 0)]
 RATES = [0.0, "one", 0.01, 0.5, 1.0]
@@ -234,7 +233,7 @@ def test_overwrite_chunks_are_idempotent(dtype):
 
 
 def test_ulp_coding_is_smaller_on_adam_like_deltas():
-    from nemo_dcr_callback.testing import synthetic
+    from nemo_dcr_callback.recipes import synthetic
     pol = synthetic.make_policy(1 << 20, seed=1)
     lr = pol.lr_for_rate(0.03)
     k = next(n for n in pol.master if "mlp" in n)

@@ -10,8 +10,8 @@ import torch
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import context
 from nemo_dcr_callback.codec import format as fmt
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender.delta import take_delta
+from nemo_dcr_callback.core.delta import take_delta
+from nemo_dcr_callback.core.rawbits import bits
 
 
 def _adam_like(numel: int, lr: float, seed: int, dtype=torch.bfloat16):

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from nemo_dcr_callback.testing import megatron_cpu
+from nemo_dcr_callback.recipes import megatron_cpu
 
 
 def _linear_and_grads(ctx):

@@ -21,9 +21,8 @@ import pytest
 import torch
 from conftest import FLOAT_DTYPES, perturb, random_tensor
 
-from nemo_dcr_callback.core import bitops, cuda_kernels, kernels
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender import delta
+from nemo_dcr_callback.core import bitops, cuda_kernels, delta, kernels
+from nemo_dcr_callback.core.rawbits import bits
 
 REPO = Path(__file__).resolve().parent.parent
 GPU = torch.cuda.is_available()
@@ -314,7 +313,7 @@ def test_yaml_documents_every_option():
 
     import yaml
 
-    from nemo_dcr_callback.sender.callback import DCRConfig
+    from nemo_dcr_callback.config import DCRConfig
 
     doc = yaml.safe_load((REPO / "configs" / "dcr.yaml").read_text())["dcr"]
     assert doc["baseline"] == "gpu"

@@ -8,9 +8,8 @@ from conftest import FLOAT_DTYPES, perturb, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr_callback.core import bitops
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender import delta
+from nemo_dcr_callback.core import bitops, delta
+from nemo_dcr_callback.core.rawbits import bits
 
 SHAPES = [(), (1,), (7,), (31,), (33, 3), (1, 1, 1), (257, 5), (2, 0)]
 RATES = [0.0, "one", 0.01, 0.5, 1.0]

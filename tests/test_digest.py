@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import OP_OVERWRITE, OP_XOR
+from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, OP_XOR
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64])

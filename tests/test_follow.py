@@ -14,11 +14,12 @@ import torch
 from conftest import TimedListings, perturb, race, random_tensor
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.core.rawbits import bits
+from nemo_dcr_callback.protocol import commit, upload
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender, publish
-from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
+from nemo_dcr_callback.transport.store import FileStore, open_store
 
 
 def _model(seed=0):
@@ -114,10 +115,10 @@ def test_store_put_if_absent_one_winner(tmp_path):
 
 def test_seal_waits_for_every_rank(tmp_path):
     store = FileStore(tmp_path)
-    commit.write_rank(store, 1, 0, 0, 2, [], 0, 0)
+    upload.write_rank(store, 1, 0, 0, 2, [], 0, 0)
     with pytest.raises(TimeoutError, match="rank-00001"):
         commit.seal_version(store, 1, 0, 2, timeout=0.2)
-    commit.write_rank(store, 1, 0, 1, 2, [], 0, 0)
+    upload.write_rank(store, 1, 0, 1, 2, [], 0, 0)
     rec = commit.seal_version(store, 1, 0, 2, timeout=1)
     assert rec["ranks"] == [commit.rank_manifest(1, 0), commit.rank_manifest(1, 1)]
     assert json.loads(store.get(commit.version_record(1)))["base"] == 0
@@ -176,7 +177,7 @@ def test_seal_refuses_a_rank_without_its_sums(tmp_path):
     """A manifest whose sums object is missing (a writer that died between the two, or a
     foreign writer) cannot be sealed into a record with wrong digests."""
     store = FileStore(tmp_path)
-    commit.RankWriter(store, 1, 0, 0, 1).finish(0, 0, {"w": 5})
+    upload.RankWriter(store, 1, 0, 0, 1).finish(0, 0, {"w": 5})
     (tmp_path / commit.rank_sums(1, 0)).unlink()
     with pytest.raises(RuntimeError, match="sums-00000.json: missing"):
         commit.seal_version(store, 1, 0, 1, timeout=1)
@@ -202,7 +203,7 @@ def test_parts_ramp_up_from_a_sixteenth(tmp_path):
     """Bytes start crossing the link after a sixteenth of a full part's encoding; each next
     part is twice the last, up to full size; the manifest names them all."""
     store = FileStore(tmp_path)
-    w = commit.RankWriter(store, 1, 0, 0, 1, part_bytes=2 << 20)
+    w = upload.RankWriter(store, 1, 0, 0, 1, part_bytes=2 << 20)
     for _ in range(100):
         w.add(b"x" * (64 << 10))
     m = w.finish(0, 0, {})
@@ -373,7 +374,7 @@ def test_part_decoded_as_its_bytes_arrive(tmp_path):
 
     import xxhash
 
-    from nemo_dcr_callback.receiver.follow import _PartDecoder
+    from nemo_dcr_callback.receiver.fetch import _PartDecoder
 
     old = _model()
     g = torch.Generator().manual_seed(5)

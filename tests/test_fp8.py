@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from test_follow import _publish
 
 from nemo_dcr_callback.core import fp8
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget, convert
 from nemo_dcr_callback.transport.store import FileStore

@@ -1,11 +1,18 @@
 """The package's layout is its architecture: the import direction and module size are checked here.
 
-Rules (docs and README "Layout"):
-- Product code never imports bench/, testing/ or recipes/. The command modules (cli.py,
-  commands/) are the composition root: they may import those lazily, inside a function, for the
-  `bench` and `demo` commands, never at module level.
+Rules (docs/ARCHITECTURE.md):
+- Product code never imports testing/ (the test harness), not even the commands.
+- Product code never imports bench/ or recipes/. The command modules (cli.py, commands/) are
+  the composition root: they may import those lazily, inside a function, for the `bench` and
+  `demo` commands, never at module level.
 - The leaves know nothing of trainers, stores or receivers: core/ imports only core/; codec/
   and placement/ import only core/ and themselves.
+- Sender and receiver meet only in protocol/: sender/ imports nothing from receiver/, and
+  receiver/ nothing from sender/.
+- The import graph has no cycle, counting imports inside functions (not those under
+  `if TYPE_CHECKING:`, which never run).
+- An import inside a function says why on its line or the line above: an optional
+  dependency (vllm, boto3, megatron, transformers, lightning, CUDA) or start-up cost.
 - No product module is longer than about 500 lines unless its docstring says why
   ("Long because ...").
 """
@@ -20,7 +27,9 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "nemo_dcr_callback"
 NAME = "nemo_dcr_callback"
 NOT_PRODUCT = ("bench", "testing", "recipes")
-ROOTS = ("cli", "commands")  # may import NOT_PRODUCT lazily
+ROOTS = ("cli", "commands")  # may import bench/ and recipes/ lazily
+HARNESS = "testing"  # no product module imports it, the roots included
+APART = {"sender": "receiver", "receiver": "sender"}  # they meet only in protocol/
 LEAVES = {"core": {"core"}, "codec": {"core", "codec"}, "placement": {"core", "placement"}}
 MAX_LINES = 520
 
@@ -73,8 +82,12 @@ def violations(module: str, source: str) -> list[str]:
         return out
     for target, top in imports(source, module):
         tarea = area(target)
-        if tarea in NOT_PRODUCT and (own not in ROOTS or top):
+        if tarea == HARNESS:
+            out.append(f"{module} imports the test harness {target}")
+        elif tarea in NOT_PRODUCT and (own not in ROOTS or top):
             out.append(f"{module} imports {target}" + (" at module level" if top else ""))
+        if APART.get(own) == tarea:
+            out.append(f"{own}/ module {module} imports {target}: they meet only in protocol/")
         if own in LEAVES and tarea and tarea not in LEAVES[own]:
             out.append(f"leaf {module} imports {target}")
     return out
@@ -88,16 +101,20 @@ def test_import_direction():
 
 
 @pytest.mark.parametrize("module,source,expect", [
-    ("nemo_dcr_callback.sender.publisher", "from nemo_dcr_callback.testing import synthetic", 1),
+    ("nemo_dcr_callback.sender.publisher", "from nemo_dcr_callback.recipes import synthetic", 1),
     ("nemo_dcr_callback.sender.publisher", "def f():\n    from nemo_dcr_callback.bench import relay", 1),
     ("nemo_dcr_callback.tools.planner", "from nemo_dcr_callback.bench.results import RESULTS", 1),
-    ("nemo_dcr_callback.codec.encode", "from nemo_dcr_callback.sender.delta import take_delta", 1),
+    ("nemo_dcr_callback.codec.encode", "from nemo_dcr_callback.sender.shard import Encoder", 1),
     ("nemo_dcr_callback.core.bitops", "from nemo_dcr_callback import codec", 1),
     ("nemo_dcr_callback.commands.bench", "def run(a):\n    from nemo_dcr_callback.bench import relay", 0),
     ("nemo_dcr_callback.commands.bench", "from nemo_dcr_callback.bench import relay", 1),
     ("nemo_dcr_callback.codec.encode", "from . import streams\nfrom ..core import kernels", 0),
     ("nemo_dcr_callback.codec.encode", "from ..sender import delta", 1),
-    ("nemo_dcr_callback.bench.relay", "from nemo_dcr_callback.testing import synthetic", 0),
+    ("nemo_dcr_callback.bench.relay", "from nemo_dcr_callback.recipes import synthetic", 0),
+    ("nemo_dcr_callback.commands.bench", "def run(a):\n    from nemo_dcr_callback.testing import tensor_sender", 1),
+    ("nemo_dcr_callback.sender.callback", "def f():\n    from nemo_dcr_callback.receiver import Follower", 1),
+    ("nemo_dcr_callback.receiver.follow", "from nemo_dcr_callback.sender.shard import Encoder", 1),
+    ("nemo_dcr_callback.sender.callback", "from nemo_dcr_callback.protocol.rebuild import Replica", 0),
 ])
 def test_the_checker_sees_violations(module, source, expect):
     assert len(violations(module, source)) == expect
@@ -114,3 +131,95 @@ def test_no_product_module_is_long_without_a_reason():
         if n > MAX_LINES and "Long because" not in doc:
             long.append(f"{mod}: {n} lines")
     assert not long, "\n".join(long)
+
+
+# ------------------------------------------------------------------ the import graph
+def resolve(target: str, mods: dict[str, Path]) -> str | None:
+    """The module an import runs: `from pkg import sub` names the submodule where there is
+    one; an imported name is resolved to the module that defines it (its longest existing prefix)."""
+    while target and target not in mods:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def graph_imports(source: str, module: str, mods: dict[str, Path]) -> set[str]:
+    """Every module of this package that `module` imports, at any depth, except under
+    `if TYPE_CHECKING:`. `from a.b import c` counts a.b.c if that is a module, else a.b."""
+    tree = ast.parse(source)
+    pkg = module.split(".") if mods.get(module, Path()).name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for x in child.orelse:
+                    visit(x)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name.startswith(NAME))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = ".".join(pkg[: len(pkg) - child.level + 1])
+                    mod = f"{base}.{child.module}" if child.module else base
+                else:
+                    mod = child.module or ""
+                if mod == NAME or mod.startswith(NAME + "."):
+                    for a in child.names:
+                        found.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod)
+            visit(child)
+
+    visit(tree)
+    return {r for r in (resolve(t, mods) for t in found) if r and r != module}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def dfs(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(edges.get(v, ())):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (c := dfs(w)):
+                return c
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(edges):
+        if v not in state and (c := dfs(v)):
+            return c
+    return None
+
+
+def package_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: graph_imports(p.read_text(), m, mods) for m, p in mods.items()}
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(c.removeprefix(NAME + ".") for c in cycle)
+
+
+def test_the_cycle_finder_names_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    mods = {f"{NAME}.codec": Path("__init__.py"), f"{NAME}.codec.digest": Path("digest.py"),
+            f"{NAME}.codec.format": Path("format.py")}
+    # a submodule named in a from-import is an edge to it; a name is an edge to its module
+    assert graph_imports("from nemo_dcr_callback.codec import digest", f"{NAME}.codec.format", mods) \
+        == {f"{NAME}.codec.digest"}
+    assert graph_imports("from . import digest\nfrom .format import X", f"{NAME}.codec", mods) \
+        == {f"{NAME}.codec.digest", f"{NAME}.codec.format"}
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nemo_dcr_callback.codec import digest"
+    assert graph_imports(src, f"{NAME}.codec.format", mods) == set()
+
+
+def test_sender_and_receiver_meet_only_in_protocol():
+    graph = package_graph()
+    bad = [f"{m} -> {t}" for m, ts in graph.items() for t in ts if APART.get(area(m)) == area(t)]
+    assert not bad, "\n".join(bad)

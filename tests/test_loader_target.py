@@ -11,11 +11,12 @@ from conftest import perturb, random_tensor
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.protocol import commit
-from nemo_dcr_callback.receiver import Follower, fetch_version
+from nemo_dcr_callback.core import delta
+from nemo_dcr_callback.core.rawbits import bits
+from nemo_dcr_callback.protocol import commit, upload
+from nemo_dcr_callback.protocol.rebuild import read_version
+from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.targets import LoaderTarget
-from nemo_dcr_callback.sender import delta
 from nemo_dcr_callback.transport.store import FileStore
 
 H, Q, KV, F = 32, 32, 16, 48
@@ -69,7 +70,7 @@ def _publish(store, v, old, new):
         else:
             chunks += codec.encode_delta(n, d)
     headers = [codec.parse_header(c) for c in chunks]
-    commit.write_rank(store, v, v - 1, 0, 1, chunks, sum(t.numel() for t in old.values()),
+    upload.write_rank(store, v, v - 1, 0, 1, chunks, sum(t.numel() for t in old.values()),
                       sum(h.count for h in headers), digests={n: digest.sum64(t) for n, t in new.items()})
     rec = commit.seal_version(store, v, v - 1, 1, timeout=5)
     commit.run_commit(store, rec, commit.CommitPolicy())
@@ -106,7 +107,7 @@ def test_loader_path_fuses_and_splits(tmp_path):
     assert not f.unchecked  # every tensor digested through the loader's copies
     while f.version < 3:
         v = f.version + 1
-        kinds |= {codec.parse_header(c).value_mode for c in fetch_version(store, v)[1]}
+        kinds |= {codec.parse_header(c).value_mode for c in read_version(store, v)[1]}
         assert f.apply_version(v).digest_checked
         want = fused(states[v])
         for k, t in want.items():

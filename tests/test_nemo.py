@@ -16,7 +16,7 @@ import pytest
 
 nl = pytest.importorskip("nemo.lightning", reason="needs the [nemo] extra: make test-nemo")
 
-from nemo_dcr_callback.testing.launch import torchrun_cmd  # noqa: E402
+from nemo_dcr_callback.launcher import torchrun_cmd  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def test_callback_in_nemo_trainer(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "trainer: nemo.lightning.pytorch.trainer.Trainer" in out, out[-4000:]
-    exact = [line for line in out.splitlines() if "receiver bit-exact with the dense export" in line]
+    exact = [line for line in out.splitlines() if "the store's chain is bit-exact with the dense export" in line]
     assert len(exact) == steps, out[-4000:]
     assert (tmp_path / "dcr-store" / "versions").is_dir()
     assert sys.modules["nemo.lightning"] is nl

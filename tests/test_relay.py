@@ -18,12 +18,13 @@ import torch
 import urllib3
 from conftest import TimedListings, perturb, random_tensor
 
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
-from nemo_dcr_callback.transport.store import FileStore, StoreError, open_store
+from nemo_dcr_callback.transport.store import FileStore, open_store
 from nemo_dcr_callback.transport.topology import Topology
 
 TOKEN = "test-token-7f3a"

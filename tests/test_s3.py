@@ -15,13 +15,13 @@ import torch
 from conftest import perturb, race, random_tensor
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.core.bitops import OP_ULP, OP_XOR, bits
+from nemo_dcr_callback.core.rawbits import OP_ULP, OP_XOR, bits
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.rebuild import latest_keyframe
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver import Follower
-from nemo_dcr_callback.receiver.follow import latest_keyframe
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.s3 import S3Store
-from nemo_dcr_callback.transport.store import StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -371,7 +371,7 @@ def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path, worke
     version 0 bit for bit; then a live receiver acks versions 2 and 3, which commit (2 on
     base 0), and it ends bit-exact with the dense export. With the worker as a process (the
     default: deltas through shared memory) and as a thread (the deltas handed over as they are)."""
-    from nemo_dcr_callback.testing.launch import torchrun_cmd
+    from nemo_dcr_callback.launcher import torchrun_cmd
 
     env = {**os.environ, **seaweed.env()}
     url = seaweed.url(f"{seaweed.bucket}/training-abort-{worker}")

@@ -9,7 +9,7 @@ import json
 from test_follow import _chain, _model
 
 from nemo_dcr_callback.cli import main
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.store import FileStore
 
@@ -25,7 +25,7 @@ def _store(tmp_path):
     commit.decide(store, 3, 2, "abort", [], ["rx-b"], "no quorum: 0/1 (need 1)")  # 3 aborted
     s.write(store, 4, 2, s.take())
     commit.seal_version(store, 4, 2, 1, timeout=5)  # 4 sealed, undecided
-    commit.write_rank(store, 5, 4, 0, 2, [], 0, 0)  # 5: one of two ranks wrote its manifest
+    upload.write_rank(store, 5, 4, 0, 2, [], 0, 0)  # 5: one of two ranks wrote its manifest
     commit.register(store, "rx-a", 2)
     commit.register(store, "rx-b", 1)
     reg = json.loads(store.get(commit.receiver_key("rx-b")))

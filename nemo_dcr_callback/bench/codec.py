@@ -18,9 +18,9 @@ import zstandard
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.bench.results import machine, write_json
 from nemo_dcr_callback.codec import Layout, ValueMode
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender.delta import take_delta
-from nemo_dcr_callback.testing import synthetic
+from nemo_dcr_callback.core.delta import take_delta
+from nemo_dcr_callback.core.rawbits import bits
+from nemo_dcr_callback.recipes import synthetic
 
 
 def _median_time(fn, reps: int, setup=None) -> float:

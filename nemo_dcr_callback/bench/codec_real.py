@@ -30,7 +30,8 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.bench import corpus
 from nemo_dcr_callback.bench.results import machine, write_json
 from nemo_dcr_callback.codec import context
-from nemo_dcr_callback.core.bitops import bits, ulp_diff_reference
+from nemo_dcr_callback.core.bitops import ulp_diff_reference
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.tools import deltafile
 
 TARGETS = {"whole_vs_xor_bound_plain": 0.97, "whole_vs_xor_bound_context": 1.25, "decode_apply_vs_memcpy": 0.5,

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback.bench.results import RESULTS, write_json
-from nemo_dcr_callback.core import bitops, cuda_kernels, kernels
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender import delta
+from nemo_dcr_callback.core import bitops, cuda_kernels, delta, kernels
+from nemo_dcr_callback.core.rawbits import bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
 TARGETS = {"delta": 0.70, "apply": 0.50}  # of the measured copy bandwidth (issue 8)

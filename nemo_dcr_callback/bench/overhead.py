@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nemo_dcr_callback.bench import procstat
 from nemo_dcr_callback.bench.results import machine, write_json
-from nemo_dcr_callback.testing.launch import torchrun_cmd
+from nemo_dcr_callback.launcher import torchrun_cmd
 
 
 def _role(cmd: str) -> str:
@@ -43,8 +43,8 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
     """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
     CPU) from the start of step `warmup` to the start of the last step (rank 0 prints when each
     step starts), read from /proc while it trains."""
+    from nemo_dcr_callback.recipes.lightning_gpt import STEP_CLOCK_ENV
     from nemo_dcr_callback.sender.callback import ALTERNATE_ENV
-    from nemo_dcr_callback.testing.lightning_gpt import STEP_CLOCK_ENV
 
     run_dir = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead."))
     cmd = torchrun_cmd(tp * pp, ["-m", "nemo_dcr_callback.recipes.train", f"parallel.tensor_model_parallel_size={tp}",

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from nemo_dcr_callback.testing import megatron_cpu
+    from nemo_dcr_callback.recipes import megatron_cpu
 
     megatron_cpu.enable()
     dist.init_process_group("gloo")
@@ -53,7 +53,7 @@ def main() -> None:
 
     ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
     from nemo_dcr_callback.placement import FAMILIES, Placement, build_placement
-    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig, build_model
+    from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig, build_model
 
     moe = dict(num_moe_experts=a.experts, moe_ffn_hidden_size=a.moe_ffn, qk_layernorm=a.family == "qwen3_moe")
     cfg = TinyGPTConfig(num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=a.ffn, num_attention_heads=a.heads,
@@ -123,7 +123,7 @@ def _encode(placement, rate: float, seed: int) -> dict:
             m = torch.rand(b.numel(), generator=g) < rate
             b[m] ^= 1  # the lowest mantissa bit: one ulp
     t0 = time.perf_counter()
-    taken = sender.take()
+    taken = sender.take(1)
     chunks, _ = sender.encode(taken, digests=sender.digests())
     encode_s = time.perf_counter() - t0
     heads = [codec.parse_header(c, verify=False) for c in chunks]

@@ -68,7 +68,7 @@ def _publish(store, states: list[dict[str, torch.Tensor]]) -> list[int]:
     for v in range(1, len(states)):
         s.tensors = states[v]
         m = s.write(store, v, v - 1, s.take())
-        s.commit()
+        s.settle()
         commit.run_commit(store, commit.seal_version(store, v, v - 1, 1, timeout=60), commit.CommitPolicy())
         changed.append(m["changed"])
     return changed
@@ -101,7 +101,7 @@ def _receiver(kind: str, states0: dict[str, torch.Tensor], cfg, workdir: Path):
 
 def _same(held: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
     """The first tensor whose bits differ from the oracle's, or None."""
-    from nemo_dcr_callback.core.bitops import bits
+    from nemo_dcr_callback.core.rawbits import bits
 
     for k, t in want.items():
         if k not in held or not torch.equal(bits(held[k].contiguous()), bits(t)):
@@ -113,7 +113,7 @@ def run(params: int = 1 << 25, rate: float = 0.03, versions: int = 5, rounds: in
         json_path: str | None = None, seed: int = 0) -> dict:
     from nemo_dcr_callback.bench.results import machine, write_json
     from nemo_dcr_callback.receiver import Follower
-    from nemo_dcr_callback.testing.synthetic import make_policy
+    from nemo_dcr_callback.recipes.synthetic import make_policy
     from nemo_dcr_callback.transport.store import FileStore
 
     bad = [k for k in kinds if k not in KINDS]

@@ -39,7 +39,7 @@ def receiver_main(args: list[str]) -> int:
 
     from safetensors.torch import load, load_file
 
-    from nemo_dcr_callback.core.bitops import bits
+    from nemo_dcr_callback.core.rawbits import bits
     from nemo_dcr_callback.protocol import commit
     from nemo_dcr_callback.receiver import Follower
     from nemo_dcr_callback.receiver.follow import APPLY_MODES
@@ -86,7 +86,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback.protocol import commit
-    from nemo_dcr_callback.testing import synthetic
+    from nemo_dcr_callback.recipes import synthetic
     from nemo_dcr_callback.testing.tensor_sender import TensorSender
     from nemo_dcr_callback.transport.seaweed import SeaweedS3
 
@@ -124,7 +124,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
             d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=600, poll=0.005))
             if d["decision"] != "commit":
                 raise RuntimeError(f"version {v} not committed: {d['reason']}")
-            sender.commit()
+            sender.settle()
             got = next_line()
             e2e = got["t_applied"] - t0
             changed = sum(dd.count for _, dd in taken)

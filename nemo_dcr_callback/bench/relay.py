@@ -296,7 +296,7 @@ def _version(run: _Run, name: str, v: int, sender, store, rx: list[JsonProc], rx
     t_decided = time.time() - t0
     if d["decision"] != "commit":
         raise RuntimeError(f"{name}: version {v} not committed: {d['reason']}")
-    sender.commit()
+    sender.settle()
     got = [r.next() for r in rx]
     host_busy, c1 = host_busy_s() - busy0, meters.cpu()
     cpu_by = {k: c1[k] - c0[k] for k in c0}
@@ -432,7 +432,7 @@ def run(params: int = 1 << 27, mbit: float = 100.0, rate: float = 0.03, per_regi
         json_path: str | None = None, seed: int = 0, scenarios: list[str] | None = None, apply: str = "sealed",
         rounds: int = 1, access_logs: str | None = None) -> dict:
     """The whole benchmark (module docstring); its result, written to json_path if given."""
-    from nemo_dcr_callback.testing import synthetic
+    from nemo_dcr_callback.recipes import synthetic
     from nemo_dcr_callback.transport.seaweed import SeaweedS3
 
     layouts = _layouts(per_region)

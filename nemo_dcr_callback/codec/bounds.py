@@ -9,7 +9,7 @@ import torch
 
 from nemo_dcr_callback.codec.format import BY_TORCH
 from nemo_dcr_callback.codec.streams import ulp_encode
-from nemo_dcr_callback.core.bitops import SparseDelta
+from nemo_dcr_callback.core.rawbits import SparseDelta
 
 
 def entropy_bits(hist: np.ndarray) -> float:

@@ -38,16 +38,8 @@ from nemo_dcr_callback.codec.streams import (
     token_values,
 )
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import (
-    BITS_DTYPE,
-    OP_OVERWRITE,
-    OP_ULP,
-    OP_XOR,
-    bits,
-    index_dtype,
-    scatter,
-    scatter_many,
-)
+from nemo_dcr_callback.core.bitops import scatter, scatter_many
+from nemo_dcr_callback.core.rawbits import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, index_dtype
 
 _tls = threading.local()
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 
 MASK = (1 << 64) - 1
 _K = np.uint64(0xD6E8FEB86659FD93)

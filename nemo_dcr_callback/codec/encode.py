@@ -46,7 +46,7 @@ from nemo_dcr_callback.codec.streams import (
     ulp_encode,
 )
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import SparseDelta, bits
+from nemo_dcr_callback.core.rawbits import SparseDelta, bits
 
 _tls = threading.local()
 

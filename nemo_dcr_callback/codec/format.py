@@ -17,7 +17,7 @@ import xxhash
 from nemo_dcr_callback.codec import context
 from nemo_dcr_callback.codec.streams import GapMode, gap_bound
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 
 MAGIC = b"DCRC"
 FORMAT_VERSION = 2

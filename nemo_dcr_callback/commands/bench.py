@@ -20,7 +20,7 @@ def _torchrun(nproc: int, module: str, args: list[str]) -> int:
     """Run a module under torchrun on this host (gloo on CPU)."""
     import subprocess
 
-    from nemo_dcr_callback.testing.launch import torchrun_cmd
+    from nemo_dcr_callback.launcher import torchrun_cmd
 
     return subprocess.run(torchrun_cmd(nproc, ["-m", module, *args])).returncode
 

@@ -1,56 +1,19 @@
 """Bit-level helpers every stage shares: raw-bit views of any 1-8 byte dtype, the sparse
 delta record, the apply ops (XOR, overwrite, ulp) and their pure-torch references.
 
-A leaf: it imports only the compiled kernels' binding (core.kernels), so the codec, the
-placement and the receiver use it without pulling in the sender.
+A leaf: it imports only the kernels' bindings (core.kernels, core.cuda_kernels for CUDA
+targets) and the shared types (core.rawbits), so the codec, the placement and the receiver
+use it without pulling in the sender.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from nemo_dcr_callback.core import kernels
+from nemo_dcr_callback.core import cuda_kernels, kernels
+from nemo_dcr_callback.core.rawbits import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits
 
-BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-INT32_LIMIT = 2**31 - 1
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat view of a contiguous tensor's raw bits (int16 for bf16/fp16, int32 for fp32...)."""
-    if not t.is_contiguous():
-        raise ValueError("delta kernels need contiguous tensors")
-    flat = t.reshape(-1)
-    return flat.view(BITS_DTYPE[t.element_size()])
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """int32 positions where they fit (half the undo-log memory), int64 beyond."""
-    return torch.int32 if numel <= INT32_LIMIT else torch.int64
-
-
-@dataclass
-class SparseDelta:
-    """Changed positions (sorted, flat) and XOR values (raw bits) of one tensor."""
-
-    positions: torch.Tensor  # int32 / int64, strictly increasing
-    xor: torch.Tensor  # bit dtype of the tensor's element size
-    numel: int
-    dtype: torch.dtype
-    new: torch.Tensor | None = None  # new bits at the positions (for the encoder; not undo)
-
-    @property
-    def count(self) -> int:
-        return int(self.positions.numel())
-
-    @property
-    def rate(self) -> float:
-        return self.count / self.numel if self.numel else 0.0
-
-
-OP_XOR, OP_OVERWRITE, OP_ULP = 0, 1, 2
 _INDEX = (torch.int32, torch.int64)
 
 
@@ -80,8 +43,6 @@ def scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
             raise ValueError(f"scatter refused: positions out of range or unsorted ({rc})")
         return
     if target.is_cuda:
-        from nemo_dcr_callback.core import cuda_kernels
-
         return cuda_kernels.scatter_cuda(target, positions, values, op)
     if positions.is_cuda or values.is_cuda:  # a host target (a pinned baseline), deltas on a GPU
         positions, values = positions.cpu(), values.cpu()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import SparseDelta, bits, index_dtype
+from nemo_dcr_callback.core.rawbits import SparseDelta, bits, index_dtype
 
 LIB_NAME = "libdcr_cuda.so"
 ABI_VERSION = 1

@@ -156,7 +156,7 @@ _keep_raw_experts()
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Canonical (Hugging Face) names, shapes and dtypes, from the checkpoint's headers."""
     from nemo_dcr_callback import codec
-    from nemo_dcr_callback.tools.checkpoint import Checkpoint
+    from nemo_dcr_callback.codec.checkpoint import Checkpoint
 
     ck = Checkpoint(model_dir)
     return {n: (torch.Size(ck.entry(n).shape), codec.dtype_info(ck.entry(n).dtype).torch) for n in ck.where}

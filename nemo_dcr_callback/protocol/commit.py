@@ -2,6 +2,9 @@
 
 The store's keys are in protocol/keys.py, the JSON objects' types in protocol/records.py; both
 are re-exported here under their old names (`commit.part_key`, `commit.VersionRecord`, ...).
+A rank's parts and manifest are written by protocol/upload.py; this module seals a version
+from the manifests, collects the receivers' acks and writes the one decision (the joint
+commit: the only step called "commit" in this package).
 """
 
 from __future__ import annotations
@@ -11,12 +14,9 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
-
-import xxhash
 
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.config import CommitPolicy
 from nemo_dcr_callback.protocol import keys
 from nemo_dcr_callback.protocol.keys import (  # noqa: F401 - re-exported for commit's callers
     ack_key,
@@ -40,12 +40,9 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
     Registration,
     VersionRecord,
     check,
+    dump,
 )
-
-
-def _dump(obj) -> bytes:
-    """Compact JSON: every receiver downloads the manifests and records of every version."""
-    return json.dumps(obj, separators=(",", ":")).encode()
+from nemo_dcr_callback.protocol.store import backoff, wait_change, wait_news
 
 
 def read_json(store, key: str):
@@ -98,76 +95,6 @@ def read_jsons(store, keys: list[str]) -> list:
     return list(pool().map(lambda k: _read_lenient(store, k), keys))
 
 
-# ------------------------------------------------------------------ sender side
-class RankWriter:
-    """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
-    each part is uploaded as soon as it is full (concurrently where the store can), and the
-    manifest goes last, so a manifest always names complete, checksummed parts. Parts ramp up:
-    the first is a sixteenth of the size (at least 64 KiB), each next one twice the last, up
-    to part_bytes, so bytes start crossing the link after a sixteenth of the encoding work a
-    full part would take, and the link is not left idle while the next part is encoded (where
-    the encoder runs at about the link's rate, a full second part left it idle for most of
-    that part's encoding). bench refit at 1%: median 0.77 s with a quarter-size first part
-    and full parts after it, 0.70-0.74 s with the ramp (and FETCH_LANES)."""
-
-    def __init__(self, store, v: int, base: int, rank: int, world: int, part_bytes: int = 4 << 20,
-                 max_inflight: int = 8):
-        self.store, self.v, self.base, self.rank, self.world = store, v, base, rank, world
-        self.part_bytes, self.max_inflight = part_bytes, max_inflight
-        self.first_part_bytes = min(part_bytes, max(64 << 10, part_bytes // 16))
-        self._next_bytes = self.first_part_bytes  # the size the part being filled is sent at
-        self.parts: list[PartRef] = []
-        self._buf: list[bytes] = []
-        self._size = 0
-        self._futs: list = []
-
-    def add(self, chunk: bytes) -> None:
-        self._buf.append(chunk)
-        self._size += len(chunk)
-        if self._size >= self._next_bytes:
-            self._flush_part()
-            self._next_bytes = min(self.part_bytes, 2 * self._next_bytes)
-
-    def _flush_part(self) -> None:
-        if not self._buf:
-            return
-        data = b"".join(self._buf)
-        key = part_key(self.v, self.rank, len(self.parts))
-        self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
-                                  checksum=xxhash.xxh3_64_hexdigest(data)))
-        self._buf, self._size = [], 0
-        pool = getattr(self.store, "executor", None)
-        if pool is None:
-            self.store.put(key, data, durable=False)
-            return
-        self._futs = [f for f in self._futs if not f.done() or f.exception()]
-        while len(self._futs) >= self.max_inflight:  # bounded memory: wait for the oldest upload
-            self._futs.pop(0).result()
-        self._futs.append(pool().submit(self.store.put, key, data, False))
-
-    def finish(self, params: int, changed: int, digests: dict[str, int]) -> RankManifest:
-        self._flush_part()
-        for f in self._futs:
-            f.result()  # the first upload error is raised here
-        sums = RankSums(version=self.v, base=self.base, rank=self.rank,
-                        digests={k: digest.hexd(d) for k, d in digests.items()})
-        self.store.put(rank_sums(self.v, self.rank), _dump(sums), durable=False)  # before the manifest: sealed
-        m = RankManifest(version=self.v, base=self.base, rank=self.rank, world=self.world, parts=self.parts,
-                         bytes=sum(p["bytes"] for p in self.parts), chunks=sum(p["chunks"] for p in self.parts),
-                         params=params, changed=changed)
-        self.store.put(rank_manifest(self.v, self.rank), _dump(m), durable=False)
-        return m
-
-
-def write_rank(store, v: int, base: int, rank: int, world: int, chunks: list[bytes], params: int, changed: int,
-               digests: dict[str, int] | None = None) -> RankManifest:
-    """One rank's chunks in one go (tools and tests; the publisher streams with RankWriter)."""
-    w = RankWriter(store, v, base, rank, world)
-    for c in chunks:
-        w.add(c)
-    return w.finish(params, changed, digests or {})
-
-
 def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.01) -> VersionRecord:
     """Wait for every rank's manifest of version v, then write its record with a conditional
     write (if another writer got there first, theirs stands). Returns the record."""
@@ -202,7 +129,7 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
                         params=sum(m["params"] for m in ms.values()),
                         changed=sum(m["changed"] for m in ms.values()),
                         digests={k: digest.hexd(d) for k, d in sorted(digests.items())}, time=time.time())
-    if not store.put_if_absent(version_record(v), _dump(rec)):
+    if not store.put_if_absent(version_record(v), dump(rec)):
         rec = json.loads(store.get(version_record(v)))
     return rec
 
@@ -285,34 +212,6 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[
 
 
 # ------------------------------------------------------------------ the joint commit
-@dataclass
-class CommitPolicy:
-    """What the committer does about receivers that are slow, missing or refuse a version.
-
-    wait:   commit once every expected receiver acked; a refusal aborts; past `timeout` it is
-            an error (the trainer sees it; nothing is committed).
-    abort:  as wait, but past `timeout` the version is aborted (senders restore their
-            baselines; the next version covers the changes).
-    quorum: commit once every expected receiver answered, or at `timeout` if at least
-            `quorum` of them acked; the rest are marked lagging and catch up later;
-            otherwise abort.
-    Expected receivers: those registered (and seen within `live_s`) when the version is
-    sealed. With none registered, a sealed version commits at once.
-    """
-
-    mode: Literal["wait", "abort", "quorum"] = "quorum"
-    timeout: float = 60.0
-    quorum: float = 0.5
-    live_s: float = 600.0
-    poll: float = 0.01
-
-    def __post_init__(self):
-        if self.mode not in ("wait", "abort", "quorum"):
-            raise ValueError(f"commit policy must be wait, abort or quorum, not {self.mode!r}")
-        if not 0.0 <= self.quorum <= 1.0:
-            raise ValueError("quorum is a fraction in [0, 1]")
-
-
 class CommitTimeout(TimeoutError):
     pass
 
@@ -336,8 +235,6 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
                expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
     """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
     per the policy, then decide. A version whose base was not committed is aborted at once."""
-    from nemo_dcr_callback.transport.store import wait_news
-
     v, base = rec["version"], rec["base"]
     if not base_committed:
         return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
@@ -400,8 +297,6 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int
     twice before it could exist (2 of a receiver's ~30 requests per version). max_poll: on a
     store that is polled, the pause doubles from `poll` up to this (callers off the refit's
     path: each poll of S3 is a request, and a large job has a poller per rank)."""
-    from nemo_dcr_callback.transport.store import backoff, wait_change
-
     deadline = time.monotonic() + timeout
     first = poll
     while True:

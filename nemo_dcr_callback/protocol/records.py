@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal, TypedDict
 
 
@@ -98,3 +99,8 @@ def check(kind: str, key: str, obj) -> dict:
     if kind == "decision" and obj["decision"] not in ("commit", "abort"):
         raise RecordError(f"{key}: not a decision record (decision {obj['decision']!r})")
     return obj
+
+
+def dump(obj) -> bytes:
+    """Compact JSON: every receiver downloads the manifests and records of every version."""
+    return json.dumps(obj, separators=(",", ":")).encode()

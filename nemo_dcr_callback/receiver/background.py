@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.store import StoreError, backoff
 from nemo_dcr_callback.receiver.follow import Applied, Follower
-from nemo_dcr_callback.transport.store import StoreError, backoff
 
 
 class Stopped(RuntimeError):

@@ -29,10 +29,9 @@ import xxhash
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_negate
-from nemo_dcr_callback.protocol import commit
-
-FETCH_LANES = 2  # parts of one version downloading at once (Follower's fetch_lanes)
+from nemo_dcr_callback.config import FETCH_LANES
+from nemo_dcr_callback.core.bitops import scatter, ulp_negate
+from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, OP_ULP, OP_XOR, bits
 
 Part = tuple[int, str, list[codec.DecodedChunk]]  # a part's bytes, xxh3 and decoded chunks
 
@@ -188,20 +187,3 @@ def fetch_part(store, key: str, check: Callable[[codec.ChunkHeader], None]) -> t
         raise codec.ChunkError(f"{key}: part missing from the store") from None
     decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check)]
     return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
-
-
-def fetch_version(store, v: int) -> tuple[dict, list[bytes]]:
-    """The record and every chunk of sealed version v, each part checked against its manifest
-    (for tools that want raw chunks: `nemo-dcr` stats, tests)."""
-    rec = commit.read_record(store, v)
-    if rec is None:
-        raise KeyError(f"version {v} is not sealed")
-    chunks: list[bytes] = []
-    for key in rec["ranks"]:
-        m = commit.read_json(store, key)
-        for p in m["parts"]:
-            blob = store.get(p["key"])
-            if len(blob) != p["bytes"] or xxhash.xxh3_64_hexdigest(blob) != p["checksum"]:
-                raise codec.ChunkError(f"{p['key']}: does not match its manifest (corrupt or truncated)")
-            chunks += [bytes(c) for c in codec.split_chunks(blob)]
-    return rec, chunks

@@ -6,7 +6,7 @@ chunk's checksum, every part against its rank's manifest and every chunk against
 acks, waits for the joint commit, and only then applies; after applying it checks the
 tensors' additive digests against the version record. Nothing from a version that fails any
 check is applied; an aborted version is dropped. A receiver that is behind chains committed
-deltas; one with nothing, or too far behind, starts from a keyframe (rebuild.py). Early apply
+deltas; one with nothing, or too far behind, starts from a keyframe (protocol/rebuild.py). Early apply
 (opt-in: FollowerConfig.early) is described in fetch.py.
 """
 
@@ -21,14 +21,13 @@ from dataclasses import dataclass, replace
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.config import FETCH_LANES, FollowerConfig
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.keys import VERSIONS, is_part
-from nemo_dcr_callback.receiver.fetch import FETCH_LANES, Parts, _PartDecoder, fetch_part, fetch_version
-from nemo_dcr_callback.receiver.rebuild import latest_keyframe, reconstruct
-from nemo_dcr_callback.transport.store import StoreError, backoff, wait_news
+from nemo_dcr_callback.protocol.store import StoreError, backoff, wait_news
+from nemo_dcr_callback.receiver.fetch import Parts, fetch_part
 
-__all__ = ["APPLY_MODES", "FETCH_LANES", "IDLE_AFTER_S", "Applied", "Follower", "FollowerConfig", "_PartDecoder",
-           "fetch_version", "latest_keyframe", "reconstruct"]
+__all__ = ["APPLY_MODES", "FETCH_LANES", "IDLE_AFTER_S", "Applied", "Follower", "FollowerConfig"]
 
 # The receiver's apply modes by name (CLI and benchmarks) -> FollowerConfig.early.
 APPLY_MODES: dict[str, bool | str] = {"late": False, "sealed": "sealed", "early": True}
@@ -51,35 +50,6 @@ class Applied:
 # A follower of a store that cannot long-poll (S3, file://) that has seen nothing new for this
 # long doubles its pause between polls, up to idle_poll_s: each poll of S3 is a LIST request.
 IDLE_AFTER_S = 1.0
-
-
-@dataclass
-class FollowerConfig:
-    """How a Follower takes part and paces itself (`nemo-dcr receive` builds it from its
-    options; Follower(..., **options) overrides fields by name)."""
-
-    receiver_id: str | None = None  # set: register under it, ack versions, take part in the joint commit
-    decision_timeout: float = 600.0  # seconds to wait for a version's decision after acking it
-    check_digests: bool = True  # check the held weights, and every version applied, against the digests
-    poll_s: float = 0.01  # pause between polls while versions come
-    # the longest pause between polls once idle (IDLE_AFTER_S) on a store that cannot
-    # long-poll: polling every poll_s, an idle receiver listed S3 about 77 times a second
-    # (9% of a core); at 0.1 s about 10, and a version that starts after an idle second is
-    # seen up to 0.1 s later. Relays are long-polled: there it changes nothing.
-    idle_poll_s: float = 0.1
-    journal: str | None = None  # redo journal directory: weights that outlive this follower (journal.py)
-    early: bool | str = False  # apply while fetching: True, "sealed" or False (APPLY_MODES; fetch.py)
-    # The registration (liveness, and the version held, which gc keeps) is refreshed after an
-    # apply at most this often: a write per version per receiver is load on the relays and
-    # the store that a fleet multiplies, and it was on the refit's path.
-    register_every_s: float = 30.0
-    fetch_lanes: int = FETCH_LANES  # parts of one version downloading at once (fetch.Parts)
-
-    def __post_init__(self):
-        if self.early not in (False, True, "sealed"):
-            raise ValueError(f"early must be False, True or 'sealed', not {self.early!r}")
-        if self.fetch_lanes < 1:
-            raise ValueError("fetch_lanes must be >= 1")
 
 
 class Follower:
@@ -108,7 +78,7 @@ class Follower:
         # called with (version, error) at each refusal, also the ones acked and gone on from
         self.on_refuse: Callable[[int, BaseException], None] | None = None
         self.max_refusals = 3
-        self._token = 0  # the store's change token (relays long-poll, see transport.store.wait_news)
+        self._token = 0  # the store's change token (relays long-poll, see protocol.store.wait_news)
         # what a relay's long-poll answer named as new since the last one (None: not known) and
         # the last listing of the version streaming: together they are its listing now
         self._news: list[str] | None = None

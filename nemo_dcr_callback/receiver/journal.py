@@ -20,7 +20,8 @@ import torch
 
 from nemo_dcr_callback import codec, faults
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import OP_OVERWRITE, bits, scatter
+from nemo_dcr_callback.core.bitops import scatter
+from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, bits
 
 Record = tuple[str, torch.Tensor, torch.Tensor]  # tensor name, positions (sorted), new bits
 

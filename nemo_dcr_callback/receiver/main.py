@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, keys
+from nemo_dcr_callback.protocol.rebuild import load_keyframe
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
-from nemo_dcr_callback.receiver.rebuild import load_keyframe
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 

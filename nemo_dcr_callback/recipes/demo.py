@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from nemo_dcr_callback.testing import synthetic
+from nemo_dcr_callback.recipes import synthetic
 from nemo_dcr_callback.tools import deltafile
 
 
@@ -75,8 +75,8 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     import sys
     import threading
 
+    from nemo_dcr_callback.launcher import torchrun_cmd
     from nemo_dcr_callback.protocol import keys
-    from nemo_dcr_callback.testing.launch import torchrun_cmd
     from nemo_dcr_callback.transport.store import open_store
 
     root = (Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()

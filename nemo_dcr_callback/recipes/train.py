@@ -46,8 +46,8 @@ def run(cfg: DictConfig, run_dir: str) -> None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from nemo_dcr_callback.testing.lightning_gpt import MegatronGPTModule
-    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig
+    from nemo_dcr_callback.recipes.lightning_gpt import MegatronGPTModule
+    from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     module = MegatronGPTModule(

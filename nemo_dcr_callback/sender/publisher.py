@@ -13,24 +13,25 @@ that projects, encodes and uploads them, and on rank 0 seals each version once e
 manifest is in the store (no collective). The queued deltas count against a memory budget:
 past it, `publish` blocks until the worker catches up (back-pressure). A worker error is
 raised by the next `publish`/`flush`/`close`, never dropped: the failed versions' deltas are
-undone (the trainer thread owns the baselines) so the next published version covers the gap
-(XOR deltas compose) and builds on the last version that was published.
+undone (the trainer thread owns the baselines and their one undo log, ShardSender.undo_log)
+so the next published version covers the gap (XOR deltas compose) and builds on the last
+version that was committed.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from dataclasses import asdict, replace
 
 import torch
 
-from nemo_dcr_callback import codec
+from nemo_dcr_callback.config import PublisherConfig
 from nemo_dcr_callback.placement import Family, Placement, build_placement
 from nemo_dcr_callback.protocol import commit, keys
-from nemo_dcr_callback.sender.delta import undo
+from nemo_dcr_callback.protocol.rebuild import reconstruct
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Report, Reset, Stop
 from nemo_dcr_callback.sender.shard import ShardSender
 from nemo_dcr_callback.sender.shm import Arena, ShmPool, pack
@@ -38,27 +39,6 @@ from nemo_dcr_callback.sender.worker import DECISION_MAX_POLL_S, DECISION_POLL_S
 from nemo_dcr_callback.transport.store import open_store
 
 __all__ = ["DECISION_MAX_POLL_S", "DECISION_POLL_S", "PublishStats", "Publisher", "PublisherConfig"]
-
-
-@dataclass
-class PublisherConfig:
-    """How a Publisher sends. DCRConfig.publisher_config() builds it from the callback's
-    options; Publisher(..., **options) overrides fields by name."""
-
-    max_pending_bytes: int = 1 << 30  # undo-log bytes queued for upload before publish() blocks
-    span: int = codec.DEFAULT_CHUNK_SPAN  # canonical positions per chunk
-    level: int = 1  # zstd level of zstd-coded streams
-    seal_timeout: float = 600.0  # seconds rank 0 waits for every rank's manifest
-    policy: commit.CommitPolicy = field(default_factory=commit.CommitPolicy)  # slow or refusing receivers
-    part_bytes: int = 4 << 20  # chunks are uploaded in parts of about this size, each as soon as full
-    baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
-    worker: Literal["process", "thread"] = "process"  # where encoding and upload run
-    nice: int = 19  # the worker's nice value (19, in a process: only on otherwise idle CPU)
-    resume: bool = False  # a store with versions: rebase on its last committed one (a restarted job)
-
-    def __post_init__(self):
-        if self.worker not in ("process", "thread"):
-            raise ValueError(f"worker must be 'process' or 'thread', not {self.worker!r}")
 
 
 class Publisher:
@@ -93,7 +73,7 @@ class Publisher:
         self.max_pending = cfg.max_pending_bytes
         self.last_version = base_version  # the newest version queued (the base of the next one)
         self.last_committed = base_version
-        self._inflight: dict[int, tuple[list, int]] = {}  # version -> (taken deltas, bytes): the undo log
+        self._inflight: dict[int, int] = {}  # version -> its deltas' bytes, queued and not yet decided
         self._pending = 0
         self._holds: dict[int, set[str]] = {}  # version -> what still reads its shared-memory segment
         self._error: str | None = None
@@ -135,8 +115,6 @@ class Publisher:
         last, newest, dangling = commit.resume_point(self.store)
         if newest == 0 and last == 0:
             return base_version  # a fresh store: nothing to resume
-        from nemo_dcr_callback.receiver.rebuild import reconstruct
-
         if self.rank == 0 and dangling:
             commit.abort_dangling(self.store, dangling, "the senders restarted")
         self.sender.rebase(reconstruct(self.store, last))
@@ -159,10 +137,9 @@ class Publisher:
         t0 = time.perf_counter()
         if self._arena is not None:  # the kernel writes into this version's segment
             seg = self._shm.take(version, self._arena.size)
-            taken = self.sender.take(self._arena.outputs(seg), self._arena.threads)
+            taken = self.sender.take(version, self._arena.outputs(seg), self._arena.threads)
         else:
-            taken = self.sender.take()
-        self.sender.commit()  # the baseline moves now; the undo log below restores it on abort or failure
+            taken = self.sender.take(version)  # the baselines advance; the sender logs the undo until decided
         st = PublishStats(version=version, base=self.last_version, kernel_s=time.perf_counter() - t0)
         if self._arena is not None:
             payload = self._arena.payload(self._index, taken, seg)
@@ -172,7 +149,7 @@ class Publisher:
         while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
             self._drain(block=True, timeout=1.0)  # back-pressure
         self._raise()
-        self._inflight[version] = (taken, size)
+        self._inflight[version] = size
         self._holds[version] = {"worker", "undo"}
         self._pending += size
         self._jobs.put(Job(version, self.last_version, payload, st))
@@ -191,8 +168,6 @@ class Publisher:
     def close(self) -> None:
         """Flush, stop the worker and leave this rank's per-version figures in the store
         (stats/rank-NNNNN.json: kernel, encode, upload, seal and commit times, bytes, changes)."""
-        import json
-
         try:
             self.flush()
         finally:
@@ -200,19 +175,18 @@ class Publisher:
             self._worker.join(timeout=30)
             if self._shm is not None:
                 self._inflight.clear()
+                self.sender.undo_log.clear()  # (its deltas view the segments freed below)
                 if self._arena is not None:
                     self._arena.close()
                 self._shm.close()
         self.store.put(keys.stats_key(self.rank), json.dumps([asdict(h) for h in self.history]).encode())
 
-    def _undo_from(self, version: int) -> None:
+    def _roll_back(self, version: int) -> None:
         """Restore the baselines to before `version`: undo it and every later in-flight one."""
-        for v in sorted((v for v in self._inflight if v >= version), reverse=True):
-            taken, size = self._inflight.pop(v)
-            self._pending -= size
+        self.sender.roll_back(version)
+        for v in [v for v in self._inflight if v >= version]:
+            self._pending -= self._inflight.pop(v)
             self._failed.discard(v)
-            for pm, d in reversed(taken):
-                undo(self.sender.baselines[pm.name], d)
             self._unhold(v, "undo")
 
     def _unhold(self, version: int, why: str) -> None:
@@ -229,8 +203,8 @@ class Publisher:
                 self._shm.release(version)
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
-        """Take the worker's reports (in version order per stage). A commit drops the
-        version's undo log; an abort restores the baselines to the last committed version
+        """Take the worker's reports (in version order per stage). A commit settles the
+        version (its undo is dropped); an abort restores the baselines to the last committed version
         (the next version then carries the aborted changes too: XOR deltas compose); a
         failure is kept until _raise."""
         while len(self._failed) < len(self._inflight):
@@ -244,14 +218,14 @@ class Publisher:
             if version not in self._inflight:
                 continue  # already undone (a later version of an aborted chain)
             if isinstance(msg, Decided) and msg.stats.decision == "commit":
-                _, size = self._inflight.pop(version)
+                self._pending -= self._inflight.pop(version)
+                self.sender.settle(version)
                 self._unhold(version, "undo")
-                self._pending -= size
                 self.history.append(msg.stats)
                 self.last_committed = version
             elif isinstance(msg, Decided):
                 self.aborted.append(msg.stats)
-                self._undo_from(version)
+                self._roll_back(version)
                 self.last_version = self.last_committed
                 if self.rank == 0:
                     print(f"dcr: version {version} aborted ({msg.stats.reason}); baselines back at version "
@@ -269,7 +243,7 @@ class Publisher:
         while len(self._failed) < len(self._inflight):
             self._drain(block=True, timeout=1.0)
         if self._inflight:
-            self._undo_from(min(self._inflight))
+            self._roll_back(min(self._inflight))
         self._failed.clear()
         self._pending = 0
         err, self._error = self._error, None

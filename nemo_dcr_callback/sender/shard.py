@@ -1,13 +1,17 @@
 """The sender side on one training rank: baselines, delta, placement, chunks.
 
-`ShardSender.step()` runs right after an optimizer step. For every parameter slice this rank
-sends (placement decides: main replica only, data-parallel ranks split the flat range), it
-takes the delta against the slice's baseline (the fused kernel; the baseline moves to the
-current bits), projects the changed positions into canonical coordinates and encodes XOR
-chunks. Parameters whose canonical bits are not a copy of the training bits (an fp32 norm
-served as bf16, a zero-centred gamma) go the residual way: converted on this rank, diffed
-against a canonical residual baseline, sent as overwrite chunks. Until `commit()`, the
-deltas are the undo log: `abort()` restores every baseline bit for bit.
+`ShardSender.take(version)` runs right after an optimizer step. For every parameter slice
+this rank sends (placement decides: main replica only, data-parallel ranks split the flat
+range), it takes the delta against the slice's baseline with the fused kernel and advances
+the baseline to the current bits. `Encoder.encode` (which the background worker runs)
+projects the changed positions into canonical coordinates and encodes XOR chunks.
+Parameters whose canonical bits are not a copy of the training bits (an fp32 norm served as
+bf16, a zero-centred gamma) go the residual way: converted on this rank, diffed against a
+canonical residual baseline, sent as overwrite chunks.
+
+The deltas taken are the undo log, the only one, kept here by version: `settle(v)` drops it
+up to v once the joint commit has committed v; `roll_back(v)` restores the baselines, bit for
+bit, to before v (v aborted or failed: it and every later version are undone).
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec.format import DEFAULT_CHUNK_SPAN
 from nemo_dcr_callback.core import cuda_kernels, kernels
-from nemo_dcr_callback.core.bitops import SparseDelta
+from nemo_dcr_callback.core.delta import Scratch, take_delta, undo
+from nemo_dcr_callback.core.rawbits import SparseDelta, bits
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
-from nemo_dcr_callback.sender.delta import Scratch, take_delta, undo
 
 
 @dataclass
@@ -63,74 +68,16 @@ def canonical_values(pm: ParamMap, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-class ShardSender:
+class Encoder:
+    """Projection and encoding of the deltas taken: needs only the maps (not the parameters)
+    and the codec's options, so the background worker builds one from the placement alone."""
+
     # XOR slices of float parameters go through the compiled slice encoder (codec.encode_xor_slice:
     # projection, chunking and encoding in one call, the same chunks); False: the Python path.
     fused_slices: bool = True
 
-    def __init__(self, placement: Placement, *, span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
-                 baseline: str = "gpu"):
-        self.placement = placement
-        self.span, self.level = span, level
-        self.active = [pm for pm in placement.params if pm.hi > pm.lo]
-        self.baselines: dict[str, torch.Tensor] = {}
-        for pm in self.active:
-            if pm.residual:
-                self.baselines[pm.name] = canonical_values(pm, pm.canon_dtype).clone()
-            else:
-                self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
-        self._undo: list[tuple[str, SparseDelta]] = []
-        self._scratch = Scratch()
-        self._side = cuda_kernels.SideStream()
-        self.use_baseline(baseline)
-
-    def use_baseline(self, where: str) -> None:
-        """Where the baselines of CUDA shards live: "gpu", or "pinned" host memory that the
-        kernel reads and writes through UVA (no GPU memory held; the pass is PCIe-bound)."""
-        cuda_kernels.check_baseline_option(where)
-        for pm in self.active:
-            if pm.param.is_cuda:
-                like = None if pm.residual else self._current(pm)
-                self.baselines[pm.name] = cuda_kernels.place_baseline(self.baselines[pm.name], where, like)
-
-    def rebase(self, canonical: dict[str, torch.Tensor]) -> None:
-        """Set every baseline to the bits of the canonical tensors (the receivers' version):
-        each owned element is read at its canonical position (the placement's projection).
-        A sender restarted from a training checkpoint rebases on the last committed version,
-        so its first delta takes receivers from there to the restored weights."""
-        from nemo_dcr_callback.core.bitops import bits
-
-        self._undo.clear()
-        for pm in self.active:
-            base = self.baselines[pm.name]
-            host = _host(base).clone()
-            hb = bits(host)
-            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
-                src = bits(canonical[pr.name].contiguous()).reshape(-1)
-                vals = src[torch.from_numpy(np.ascontiguousarray(pr.positions)).to(torch.int64)]
-                off = 0
-                for a, b in pr.parts:
-                    hb[a:b] = vals[off:off + b - a]
-                    off += b - a
-            base.copy_(host)
-
-    def _current(self, pm: ParamMap) -> torch.Tensor:
-        if pm.residual:
-            return canonical_values(pm, pm.canon_dtype)
-        return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
-
-    def take(self, outs: list | None = None, threads: int | None = None) -> list[tuple[ParamMap, SparseDelta]]:
-        """The synchronous part, right after the optimizer step: one fused kernel pass per
-        owned slice (baselines move to the current bits; the deltas join the undo log).
-        outs: per active slice, (positions, xor, new) buffers the CPU kernel writes into
-        (delta.take_delta's `out`, sized for `threads`), which the deltas then view."""
-        taken = []
-        for k, pm in enumerate(self.active):
-            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side,
-                      None if outs is None else outs[k], threads)
-            self._undo.append((pm.name, d))
-            taken.append((pm, d))
-        return taken
+    def __init__(self, placement: Placement, span: int = DEFAULT_CHUNK_SPAN, level: int = 1):
+        self.placement, self.span, self.level = placement, span, level
 
     def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
                digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
@@ -187,21 +134,97 @@ class ShardSender:
                 deliver(pr.name, out, pos.numel())
         return chunks, st
 
-    def step(self) -> tuple[list[bytes], StepStats]:
-        """take() and encode() in one call."""
-        if self._undo:
-            raise RuntimeError("the previous step is neither committed nor aborted")
-        return self.encode(self.take())
 
-    def commit(self) -> None:
-        """The joint commit: the baselines stay at this step's bits; drop the undo log."""
-        self._undo.clear()
+class ShardSender:
+    """This rank's baselines and the undo log of the versions taken and not yet settled."""
 
-    def abort(self) -> None:
-        """Restore every baseline to the last committed bits."""
-        for name, d in reversed(self._undo):
-            undo(self.baselines[name], d)
-        self._undo.clear()
+    def __init__(self, placement: Placement, *, span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
+                 baseline: str = "gpu"):
+        self.placement = placement
+        self.encoder = Encoder(placement, span, level)
+        self.active = [pm for pm in placement.params if pm.hi > pm.lo]
+        self.baselines: dict[str, torch.Tensor] = {}
+        for pm in self.active:
+            if pm.residual:
+                self.baselines[pm.name] = canonical_values(pm, pm.canon_dtype).clone()
+            else:
+                self.baselines[pm.name] = pm.param.detach().reshape(-1)[pm.lo:pm.hi].clone()
+        self.undo_log: dict[int, list[tuple[ParamMap, SparseDelta]]] = {}  # version -> deltas taken
+        self._scratch = Scratch()
+        self._side = cuda_kernels.SideStream()
+        self.use_baseline(baseline)
+
+    def use_baseline(self, where: str) -> None:
+        """Where the baselines of CUDA shards live: "gpu", or "pinned" host memory that the
+        kernel reads and writes through UVA (no GPU memory held; the pass is PCIe-bound)."""
+        cuda_kernels.check_baseline_option(where)
+        for pm in self.active:
+            if pm.param.is_cuda:
+                like = None if pm.residual else self._current(pm)
+                self.baselines[pm.name] = cuda_kernels.place_baseline(self.baselines[pm.name], where, like)
+
+    def rebase(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Set every baseline to the bits of the canonical tensors (the receivers' version):
+        each owned element is read at its canonical position (the placement's projection).
+        A sender restarted from a training checkpoint rebases on the last committed version,
+        so its first delta takes receivers from there to the restored weights."""
+        self.undo_log.clear()
+        for pm in self.active:
+            base = self.baselines[pm.name]
+            host = _host(base).clone()
+            hb = bits(host)
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                src = bits(canonical[pr.name].contiguous()).reshape(-1)
+                vals = src[torch.from_numpy(np.ascontiguousarray(pr.positions)).to(torch.int64)]
+                off = 0
+                for a, b in pr.parts:
+                    hb[a:b] = vals[off:off + b - a]
+                    off += b - a
+            base.copy_(host)
+
+    def _current(self, pm: ParamMap) -> torch.Tensor:
+        if pm.residual:
+            return canonical_values(pm, pm.canon_dtype)
+        return pm.param.detach().reshape(-1)[pm.lo:pm.hi]
+
+    def take(self, version: int, outs: list | None = None,
+             threads: int | None = None) -> list[tuple[ParamMap, SparseDelta]]:
+        """The synchronous part, right after the optimizer step: one fused kernel pass per
+        owned slice; the baselines advance to the current bits and the deltas are logged as
+        `version`'s undo. outs: per active slice, (positions, xor, new) buffers the CPU kernel
+        writes into (delta.take_delta's `out`, sized for `threads`), which the deltas then view."""
+        if version in self.undo_log:
+            raise ValueError(f"version {version} was taken already")
+        taken = []
+        for k, pm in enumerate(self.active):
+            d = _take(self._current(pm).contiguous(), self.baselines[pm.name], self._scratch, self._side,
+                      None if outs is None else outs[k], threads)
+            taken.append((pm, d))
+        self.undo_log[version] = taken
+        return taken
+
+    def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
+               digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
+        return self.encoder.encode(taken, emit, digests)
+
+    def step(self, version: int) -> tuple[list[bytes], StepStats]:
+        """take() and encode() in one call (tests and benchmarks; the Publisher encodes in
+        its worker)."""
+        return self.encode(self.take(version))
+
+    def settle(self, version: int) -> None:
+        """The joint commit committed `version`: its undo (and any older) is no longer needed."""
+        for v in [v for v in self.undo_log if v <= version]:
+            del self.undo_log[v]
+
+    def roll_back(self, version: int | None = None) -> list[int]:
+        """Restore the baselines to before `version` (None: the oldest logged): undo it and
+        every later version, newest first. Returns the versions undone."""
+        undone = sorted((v for v in self.undo_log if version is None or v >= version), reverse=True)
+        for v in undone:
+            for pm, d in reversed(self.undo_log.pop(v)):
+                undo(self.baselines[pm.name], d)
+        return undone
 
     def digests(self) -> dict[str, int]:
         """Additive digests (digest.py) of this rank's slice of every canonical tensor it
@@ -223,4 +246,4 @@ class ShardSender:
         return {k: np.concatenate(v) for k, v in out.items()}
 
 
-__all__ = ["ShardSender", "StepStats"]
+__all__ = ["Encoder", "ShardSender", "StepStats"]

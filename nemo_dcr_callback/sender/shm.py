@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_dcr_callback.core.bitops import SparseDelta
+from nemo_dcr_callback.core.rawbits import SparseDelta
 from nemo_dcr_callback.placement import Placement
 from nemo_dcr_callback.sender.shard import ShardSender
 
@@ -79,8 +79,8 @@ class Arena:
 
     def __init__(self, sender: ShardSender):
         from nemo_dcr_callback.core import kernels
-        from nemo_dcr_callback.core.bitops import BITS_DTYPE, index_dtype
-        from nemo_dcr_callback.sender.delta import output_capacity
+        from nemo_dcr_callback.core.delta import output_capacity
+        from nemo_dcr_callback.core.rawbits import BITS_DTYPE, index_dtype
 
         self.threads = kernels.num_threads()
         self.regions: list[list[tuple[int, torch.dtype, int]]] = []  # per active slice: (offset, dtype, elements) x3

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dcr_callback import faults
+from nemo_dcr_callback.config import PART_BYTES, CommitPolicy
 from nemo_dcr_callback.placement import Placement
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Reset, Stop, Uploaded
-from nemo_dcr_callback.sender.shard import ShardSender
+from nemo_dcr_callback.sender.shard import Encoder
 from nemo_dcr_callback.sender.shm import unpack
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
@@ -44,10 +45,10 @@ class WorkerSpec:
     level: int
     seal_timeout: float
     nice: int
-    policy: commit.CommitPolicy
+    policy: CommitPolicy
     base_version: int
     digests: dict[str, int]  # this rank's slice digests at base_version
-    part_bytes: int = 4 << 20
+    part_bytes: int = PART_BYTES
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,7 @@ class _Worker:
 
     def __init__(self, spec: WorkerSpec, store, results):
         self.spec, self.store, self.results = spec, store, results
-        self.encoder = ShardSender.__new__(ShardSender)  # encode() needs only the placement and codec options
-        self.encoder.placement, self.encoder.span, self.encoder.level = spec.placement, spec.span, spec.level
+        self.encoder = Encoder(spec.placement, spec.span, spec.level)
         self.digests = {spec.base_version: dict(spec.digests)}  # version -> this rank's slice digests
         self.status = {spec.base_version: "commit"}  # version -> "commit" | "abort"
         self.staged: queue.Queue = queue.Queue()  # upload stage -> commit stage
@@ -98,7 +98,7 @@ class _Worker:
         taken = unpack(spec.placement, job.payload)
         if self.status.get(job.base) != "abort":  # a version on an aborted base is aborted unsent
             t0 = time.perf_counter()
-            w = commit.RankWriter(self.store, job.version, job.base, spec.rank, spec.world, part_bytes=spec.part_bytes)
+            w = upload.RankWriter(self.store, job.version, job.base, spec.rank, spec.world, part_bytes=spec.part_bytes)
             dig = dict(self.digests[job.base])
             ss = self.encoder.encode(taken, emit=w.add, digests=dig)[1]
             faults.point("sender.parts_uploaded", rank=spec.rank, version=job.version)

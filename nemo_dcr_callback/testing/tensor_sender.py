@@ -13,9 +13,11 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.config import PART_BYTES, CommitPolicy
 from nemo_dcr_callback.core import cuda_kernels
-from nemo_dcr_callback.core.bitops import SparseDelta
-from nemo_dcr_callback.sender.delta import Scratch, undo
+from nemo_dcr_callback.core.delta import Scratch, undo
+from nemo_dcr_callback.core.rawbits import SparseDelta
+from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.sender.shard import _host, _take
 
 
@@ -35,7 +37,7 @@ class TensorSender:
         self.digests = {n: digest.sum64(_host(b)) for n, b in self.baselines.items()}
         self._scratch = Scratch()
         self._side = cuda_kernels.SideStream()
-        self._undo: list[tuple[str, SparseDelta]] = []  # every delta taken since the last commit
+        self._undo: list[tuple[str, SparseDelta]] = []  # every delta taken since the last settle()
 
     def _take_one(self, n: str, t: torch.Tensor) -> tuple[str, SparseDelta]:
         self._undo.append((n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side)))
@@ -44,13 +46,13 @@ class TensorSender:
     def take(self) -> list[tuple[str, SparseDelta]]:
         return [self._take_one(n, t) for n, t in self.tensors.items()]
 
-    def stream(self, store, v: int, base: int, part_bytes: int = 4 << 20) -> tuple[list, dict]:
+    def stream(self, store, v: int, base: int, part_bytes: int = PART_BYTES) -> tuple[list, dict]:
         """take() and write() interleaved tensor by tensor: each tensor's chunks are encoded
         and their parts uploaded while the kernel runs over the next tensors (the refit
         starts moving bytes right after the first tensor). Returns (taken, manifest)."""
         taken: list[tuple[str, SparseDelta]] = []
 
-        def lazily():  # a failed upload leaves what was taken in the undo log: abort() restores it
+        def lazily():  # a failed upload leaves what was taken in the undo log: roll_back() restores it
             for n, t in self.tensors.items():
                 taken.append(self._take_one(n, t))
                 yield taken[-1]
@@ -58,13 +60,11 @@ class TensorSender:
         m = self.write(store, v, base, lazily(), part_bytes=part_bytes)
         return taken, m
 
-    def write(self, store, v: int, base: int, taken, part_bytes: int = 4 << 20,
+    def write(self, store, v: int, base: int, taken, part_bytes: int = PART_BYTES,
               after_chunk: Callable[[], None] | None = None):
         """Encode and stream one version's chunks (parts uploaded as they fill), then the
-        manifest with the moved digests (kept, for the next version, only on commit)."""
-        from nemo_dcr_callback.protocol import commit
-
-        w = commit.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
+        manifest with the moved digests (kept, for the next version, by settle())."""
+        w = upload.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
         dig = dict(self.digests)
         params = changed = 0
         for n, d in taken:
@@ -81,12 +81,13 @@ class TensorSender:
         self._pending = dig
         return m
 
-    def commit(self) -> None:
+    def settle(self) -> None:
+        """The joint commit committed the version written last: keep its digests, drop the undo."""
         self.digests = self._pending
         self._undo.clear()
 
-    def abort(self, taken: list[tuple[str, SparseDelta]] | None = None) -> None:
-        """Restore the baselines: of `taken`, or of everything since the last commit (also a
+    def roll_back(self, taken: list[tuple[str, SparseDelta]] | None = None) -> None:
+        """Restore the baselines: of `taken`, or of everything since the last settle() (also a
         version whose upload failed half-way)."""
         ids = {id(d) for _, d in taken} if taken is not None else None
         for n, d in reversed(self._undo if taken is None else taken):
@@ -99,12 +100,10 @@ def publish(store, v: int, base: int, old: dict[str, torch.Tensor], new: dict[st
     """One version old -> new through the real sender path: `world` TensorSenders write their
     share, the version is sealed and committed (the default policy: no receivers awaited).
     Returns the decision."""
-    from nemo_dcr_callback.protocol import commit
-
     for r in range(world):
         s = TensorSender(old, r, world)
         for n in s.tensors:
             s.tensors[n] = new[n]
         s.write(store, v, base, s.take(), **write_options)
     rec = commit.seal_version(store, v, base, world, timeout=timeout)
-    return commit.run_commit(store, rec, commit.CommitPolicy())
+    return commit.run_commit(store, rec, CommitPolicy())

@@ -14,7 +14,7 @@ import xxhash
 import zstandard
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.tools.checkpoint import TensorEntry
+from nemo_dcr_callback.codec.checkpoint import TensorEntry
 
 VERSION = 2
 HEAD_BYTES = 8  # the file header before the first chunk

@@ -27,9 +27,9 @@ import torch
 import xxhash
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.core.bitops import bits
-from nemo_dcr_callback.sender.delta import take_delta
-from nemo_dcr_callback.tools.checkpoint import Checkpoint, CheckpointError, TensorEntry, write_safetensors
+from nemo_dcr_callback.codec.checkpoint import Checkpoint, CheckpointError, TensorEntry, write_safetensors
+from nemo_dcr_callback.core.delta import take_delta
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.tools.delta_manifest import (
     MAX_MANIFEST,
     VERSION,

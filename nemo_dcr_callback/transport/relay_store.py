@@ -23,8 +23,8 @@ from urllib.parse import parse_qs, quote, urlencode, urlparse
 
 import xxhash
 
+from nemo_dcr_callback.protocol.store import StoreError, long_polls, wait_news
 from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, OBJECT_ROUTE, TOKEN_ENV
-from nemo_dcr_callback.transport.store import StoreError, long_polls
 
 
 class _Response(NamedTuple):
@@ -121,7 +121,7 @@ class RelayStore:
     about 0.27 ms of CPU per request, http.client about 0.13 ms, against about 0.04 ms here, on
     the same 2 cores the relays and the receivers share in the relay bench."""
 
-    long_polls = True  # GET /wait (transport.store.wait_news)
+    long_polls = True  # GET /wait (protocol.store.wait_news)
 
     def __init__(self, url: str, token: str | None = None, timeout: float | None = None):
         u = urlparse(url)
@@ -331,8 +331,6 @@ class FailoverStore:
         return self.wait_keys(token, limit, data_only)[0]
 
     def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
-        from nemo_dcr_callback.transport.store import wait_news
-
         i = self.i
         try:
             return wait_news(self.stores[i], token, 0.005, limit, data_only)  # the origin (polled): no news

@@ -23,8 +23,7 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 from nemo_dcr_callback.protocol.keys import is_committed
-from nemo_dcr_callback.transport.store import StoreError, put_once
-from nemo_dcr_callback.transport.urls import redact
+from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
 
 # After a plain signed request got no answer or a server error (and boto3 then succeeded),
 # boto3 alone for this long: a TLS setup or proxy the plain client cannot use must not cost

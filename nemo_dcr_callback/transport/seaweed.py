@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_dcr_callback.transport.store import StoreError
+from nemo_dcr_callback.protocol.store import StoreError
 
 # weed mini's listeners, as offsets from a base port (grpc ports explicit too).
 _PORTS = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",

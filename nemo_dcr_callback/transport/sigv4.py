@@ -25,7 +25,7 @@ from typing import NamedTuple
 from urllib.parse import quote, urlparse
 from xml.etree import ElementTree
 
-from nemo_dcr_callback.transport.urls import redact
+from nemo_dcr_callback.protocol.store import redact
 
 _SAFE = "-_.~"
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

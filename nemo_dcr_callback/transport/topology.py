@@ -89,8 +89,8 @@ class Topology:
         import statistics
         import time
 
+        from nemo_dcr_callback.protocol.store import StoreError
         from nemo_dcr_callback.transport.relay_store import RelayStore
-        from nemo_dcr_callback.transport.store import StoreError
 
         best: tuple[float, str] | None = None
         for name, node in self.nodes.items():

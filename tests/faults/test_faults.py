@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
-from nemo_dcr_callback.transport.store import StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ def test_store_faults_are_retried(stores, proxy, table, fault):
     assert not fleet.errors, fleet.errors
     assert d["decision"] == "commit" and all(_same(t, states[1]) for t in fleet.tensors)
     for s in senders:
-        s.commit()
+        s.settle()
     assert all(r.hits == r.times for r in rules), [(r.method, r.hits) for r in rules]
     resent = sum(r.hit_bytes for r in rules)
     table(f"store: {fault} on part uploads/downloads ({sum(r.hits for r in rules)} requests)",
@@ -148,7 +148,7 @@ def test_store_down_aborts_and_restores_then_recovers(stores, proxy, table):
     with pytest.raises(StoreError, match="503|ServiceUnavailable"):
         s0.stream(via, 1, 0, part_bytes=16 << 10)
     for s in (s0, s1):
-        s.abort()  # the trainer's undo: baselines back to version 0
+        s.roll_back()  # the trainer's undo: baselines back to version 0
     for s in (s0, s1):
         assert all(torch.equal(bits(s.baselines[n].view(states[0][n].shape)), bits(states[0][n])) for n in s.tensors)
     commit.decide(direct, 1, 0, "abort", [], [], "rank 0 upload failed")
@@ -216,7 +216,7 @@ def test_damaged_chunks_refused_aborted_and_resent(stores, table, how):
             "reordered": "manifest"}[how] in reason, reason
     assert all(_same(t, states[0]) for t in fleet.tensors)  # nothing of the damaged version applied
     for s in senders:
-        s.abort()
+        s.roll_back()
     _send(direct, 2, 0, states[0], states[2])
     d2 = commit.run_commit(direct, commit.seal_version(direct, 2, 0, 2, timeout=30), commit.CommitPolicy("wait", 60))
     fleet.join()
@@ -287,7 +287,7 @@ def test_acks_that_never_come(stores, table, policy):
         if policy == "abort":
             assert d["decision"] == "abort" and d["lagging"] == ["silent"]
             for s in senders:
-                s.abort()
+                s.roll_back()
             outcome = "aborted after the ack timeout; sender undone"
         else:
             assert d["decision"] == "commit" and d["lagging"] == ["silent"] and d["acked"] == ["rx-0"]
@@ -421,7 +421,7 @@ def test_sender_rank_killed_mid_upload_then_restarted_from_checkpoint(seaweed, t
     without reloading anything."""
     from safetensors.torch import load
 
-    from nemo_dcr_callback.testing.launch import torchrun_cmd
+    from nemo_dcr_callback.launcher import torchrun_cmd
 
     prefix = "sender-restart"
     url = seaweed.url(f"{seaweed.bucket}/{prefix}")

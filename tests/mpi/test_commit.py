@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from nemo_dcr_callback.core.bitops import bits
+from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender

@@ -28,9 +28,9 @@ def test_tp2_pp2_training_under_mpirun_is_bit_exact(comm, shared_dir):
     from hydra import compose, initialize_config_dir
     from safetensors.torch import load
 
-    from nemo_dcr_callback.core.bitops import bits
+    from nemo_dcr_callback.core.rawbits import bits
     from nemo_dcr_callback.protocol import commit
-    from nemo_dcr_callback.receiver.rebuild import reconstruct
+    from nemo_dcr_callback.protocol.rebuild import reconstruct
     from nemo_dcr_callback.recipes.train import CONFIGS, run
     from nemo_dcr_callback.transport.store import FileStore
 

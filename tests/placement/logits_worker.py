@@ -32,7 +32,7 @@ def main() -> int:
     a.topk, a.moe_ffn, a.etp = 2, 32, None
     ds = a.family == "deepseek_v3"
     a.shared, a.dense_first, a.mla = (32, 1, True) if ds else (None, 0, False)
-    from nemo_dcr_callback.testing import megatron_cpu
+    from nemo_dcr_callback.recipes import megatron_cpu
 
     megatron_cpu.enable()
     import datetime
@@ -43,7 +43,7 @@ def main() -> int:
 
     ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep)
     from nemo_dcr_callback.placement import FAMILIES, dense_export
-    from nemo_dcr_callback.testing.megatron_model import TinyGPTConfig, build_model
+    from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig, build_model
 
     cfg = TinyGPTConfig(params_dtype="float32", num_query_groups=4 if ds else a.groups, tie_word_embeddings=a.tie,
                         init_method_std=0.2, **moe_config(a))
@@ -96,6 +96,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from nemo_dcr_callback.testing.megatron_cpu import exit_worker
+    from nemo_dcr_callback.recipes.megatron_cpu import exit_worker
 
     exit_worker(main())

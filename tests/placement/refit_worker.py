@@ -56,7 +56,7 @@ def hf_receiver(cfg, family: str, export: dict[str, torch.Tensor], dtype: torch.
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from nemo_dcr_callback.testing.megatron_model import hf_config
+    from nemo_dcr_callback.recipes.megatron_model import hf_config
 
     hcfg = hf_config(cfg, family)
     with tempfile.TemporaryDirectory() as d:
@@ -98,7 +98,7 @@ def main() -> int:
     moe_arguments(ap)
     a = ap.parse_args()
 
-    from nemo_dcr_callback.testing import megatron_cpu
+    from nemo_dcr_callback.recipes import megatron_cpu
 
     megatron_cpu.enable()
     import datetime
@@ -109,13 +109,13 @@ def main() -> int:
     ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp)
     from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
     from nemo_dcr_callback.receiver.targets import apply_chunks
-    from nemo_dcr_callback.sender.shard import ShardSender
-    from nemo_dcr_callback.testing.megatron_model import (
+    from nemo_dcr_callback.recipes.megatron_model import (
         TinyGPTConfig,
         build_model,
         train_step,
         wrap_for_training,
     )
+    from nemo_dcr_callback.sender.shard import ShardSender
 
     rank = dist.get_rank()
     family = FAMILIES[a.family]
@@ -179,23 +179,23 @@ def main() -> int:
             if any(x != mine for x in peers):
                 print(f"FAIL step {step}: data-parallel replicas diverged (rank {rank})")
                 return 1
-        taken = sender.take()
+        taken = sender.take(step)
         dig_c = sender.digests()
         dig_p = dict(dig_c)
         chunks, st = sender.encode(taken, digests=dig_c)
-        sender.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
+        sender.encoder.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
         py_chunks, _ = sender.encode(taken, digests=dig_p)
-        sender.fused_slices = True
+        sender.encoder.fused_slices = True
         if py_chunks != chunks or dig_c != dig_p:
             print(f"FAIL step {step}: the compiled slice encoder and the Python path differ (rank {rank})")
             return 1
         if step == 2:  # an aborted refit: the undo log restores the baselines, the retry is identical
-            sender.abort()
-            again, _ = sender.step()
+            sender.roll_back(step)
+            again, _ = sender.step(step)
             if again != chunks:
                 print(f"FAIL step {step}: chunks after abort + retry differ")
                 return 1
-        sender.commit()
+        sender.settle(step)
         got = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object((chunks, st.changed, st.params, st.residual_changed), got, dst=0)
         exp = dense_export(model, family, a.vocab)
@@ -229,6 +229,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from nemo_dcr_callback.testing.megatron_cpu import exit_worker
+    from nemo_dcr_callback.recipes.megatron_cpu import exit_worker
 
     exit_worker(main())

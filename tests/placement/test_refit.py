@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr_callback.testing.launch import torchrun_cmd
+from nemo_dcr_callback.launcher import torchrun_cmd
 
 WORKER = Path(__file__).with_name("refit_worker.py")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from nemo_dcr_callback.testing.launch import torchrun_cmd
+from nemo_dcr_callback.launcher import torchrun_cmd
 
 STEPS = 3
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
@@ -24,6 +24,7 @@ def test_qwen3_moe_ep2_training_verifies_every_version(tmp_path):
                            f"trainer.max_steps={STEPS}"])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    done = re.findall(r"dcr: version (\d+): receiver bit-exact with the dense export \((\d+) tensors", p.stdout)
+    done = re.findall(r"dcr: version (\d+): the store's chain is bit-exact with the dense export \((\d+) tensors",
+                      p.stdout)
     assert [int(v) for v, _ in done] == list(range(1, STEPS + 1)), p.stdout[-3000:]
     assert int(done[0][1]) == 45  # 2 layers x (4 experts x 3 + router + 7 attention/norm tensors) + 3

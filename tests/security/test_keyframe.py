@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save
 
 from nemo_dcr_callback.protocol import commit, keys
-from nemo_dcr_callback.receiver.rebuild import KeyframeError, load_keyframe
+from nemo_dcr_callback.protocol.rebuild import KeyframeError, load_keyframe
 from nemo_dcr_callback.transport.store import FileStore
 
 CLI = str(Path(sys.executable).parent / "nemo-dcr")

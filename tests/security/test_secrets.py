@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr_callback.transport.urls import redact
+from nemo_dcr_callback.protocol.store import redact
 
 CLI = str(Path(sys.executable).parent / "nemo-dcr")
 SECRET = "S3CR3Tvalue42"

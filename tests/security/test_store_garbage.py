@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_dcr_callback.launcher import torchrun_cmd
 from nemo_dcr_callback.protocol import commit
-from nemo_dcr_callback.testing.launch import torchrun_cmd
 from nemo_dcr_callback.transport.store import FileStore
 
 ROOT = Path(__file__).resolve().parents[2]

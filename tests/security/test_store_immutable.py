@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from nemo_dcr_callback.protocol import keys
-from nemo_dcr_callback.transport.store import FileStore, ImmutableError
+from nemo_dcr_callback.protocol.store import ImmutableError
+from nemo_dcr_callback.transport.store import FileStore
 
 COMMITTED = [keys.decision_key(1), keys.version_record(1), keys.part_key(1, 0, 0), keys.rank_manifest(1, 0),
              keys.rank_sums(1, 0), keys.keyframe_model(1)]

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (make test-vllm builds .venv-vllm)")
 
+from nemo_dcr_callback.launcher import torchrun_cmd  # noqa: E402
 from nemo_dcr_callback.protocol import commit, keys  # noqa: E402
-from nemo_dcr_callback.testing.launch import torchrun_cmd  # noqa: E402
 from nemo_dcr_callback.transport.store import FileStore  # noqa: E402
 from vllm_engine.test_vllm_receiver import _engine, _generate, _shutdown  # noqa: E402
 

@@ -62,7 +62,7 @@ def convert(src, out, recipe: str = "vllm", version: int = 0) -> dict:
     BF16 shadow of its quantized weights, at `version`). Returns {quantized, params}."""
     from safetensors.torch import save_file
 
-    from nemo_dcr_callback.tools.checkpoint import Checkpoint
+    from nemo_dcr_callback.codec.checkpoint import Checkpoint
 
     if recipe not in fp8.RECIPES:
         raise ValueError(f"FP8 recipe must be one of {', '.join(fp8.RECIPES)}, not {recipe!r}")
@@ -111,7 +111,7 @@ class Fp8DirTarget(CheckpointDirTarget):
             return
         import mmap
 
-        from nemo_dcr_callback.tools.checkpoint import SafetensorsFile
+        from nemo_dcr_callback.codec.checkpoint import SafetensorsFile
 
         meta = json.loads((self.meta / META).read_text())
         self.recipe = meta["recipe"]

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.core.bitops import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits, scatter, ulp_add_reference
+from nemo_dcr_callback.core.bitops import scatter, ulp_add_reference
+from nemo_dcr_callback.core.rawbits import BITS_DTYPE, OP_OVERWRITE, OP_ULP, OP_XOR, bits
 
 LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 

@@ -11,9 +11,9 @@ import xxhash
 from aiohttp import web
 
 from nemo_dcr_callback.protocol import keys, records
+from nemo_dcr_callback.protocol.store import ImmutableError, put_once
 from nemo_dcr_callback.transport.relay.cache import VerifyError, verify_object
 from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, LENGTH_HEADER, OBJECT_ROUTE
-from nemo_dcr_callback.transport.store import ImmutableError, put_once
 
 OBJECT_PATH = OBJECT_ROUTE + "{key:.+}"
 

@@ -20,8 +20,8 @@ import asyncio
 import time
 
 from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.protocol.store import backoff, long_polls
 from nemo_dcr_callback.transport.relay.config import WRITE_THROUGH_S
-from nemo_dcr_callback.transport.store import backoff, long_polls
 
 FOLLOWED_VERSIONS = 3  # the newest versions a listing round looks into
 

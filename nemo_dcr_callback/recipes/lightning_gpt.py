@@ -13,7 +13,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 
-from nemo_dcr_callback.testing.megatron_model import (
+from nemo_dcr_callback.recipes.megatron_model import (
     TinyGPTConfig,
     build_model,
     hf_config,
@@ -44,7 +44,7 @@ def init_distributed(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> N
     from megatron.core import parallel_state as ps
 
     if not torch.cuda.is_available():
-        from nemo_dcr_callback.testing import megatron_cpu
+        from nemo_dcr_callback.recipes import megatron_cpu
 
         megatron_cpu.enable()
     if not dist.is_initialized():
@@ -111,7 +111,7 @@ class MegatronGPTModule(L.LightningModule):
             print(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}", flush=True)
         loss = train_step(self._ddp, self._opt, batch, self.cfg)
         if batch_idx == 0 and self.trainer.global_rank == 0:
-            from nemo_dcr_callback.testing.megatron_cpu import fp32_gemm_products
+            from nemo_dcr_callback.recipes.megatron_cpu import fp32_gemm_products
 
             if n := fp32_gemm_products():  # the CPU run mode took the model's products (megatron_cpu)
                 print(f"cpu run mode: step 1 computed {n} bf16 matrix products in fp32 on rank 0", flush=True)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.bitops import OP_XOR, SparseDelta, bits, index_dtype, scatter
+from nemo_dcr_callback.core.bitops import scatter
+from nemo_dcr_callback.core.rawbits import OP_XOR, SparseDelta, bits, index_dtype
 
 
 def _check_pair(current: torch.Tensor, baseline: torch.Tensor) -> None:

@@ -128,7 +128,7 @@ def build_model(cfg: TinyGPTConfig, seed: int = 1234):
     if cfg.multi_latent_attention or cfg.moe_first_dense_layers:  # layers that differ: a block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        from nemo_dcr_callback.testing.megatron_cpu import SDPACoreAttention
+        from nemo_dcr_callback.recipes.megatron_cpu import SDPACoreAttention
 
         spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
         if cfg.multi_latent_attention:  # (the local spec's core attention cannot take MLA's head dims)
@@ -234,7 +234,7 @@ def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | No
 
         return out, loss_func
 
-    from nemo_dcr_callback.testing.megatron_cpu import gemm_mode
+    from nemo_dcr_callback.recipes.megatron_cpu import gemm_mode
 
     ddp.zero_grad_buffer()
     opt.zero_grad()

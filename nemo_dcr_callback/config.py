@@ -1,0 +1,144 @@
+"""Every configuration dataclass and shared default, in one place.
+
+The callback's flat options (DCRConfig: the YAML surface, configs/dcr.yaml) build the
+components' configs: PublisherConfig (every training rank's sender), CommitPolicy (the joint
+commit on rank 0). FollowerConfig is a receiver's (`nemo-dcr receive`). A component takes
+its config object and overrides fields by name; no default is written twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nemo_dcr_callback.codec.format import DEFAULT_CHUNK_SPAN
+from nemo_dcr_callback.core.cuda_kernels import check_baseline_option
+
+PART_BYTES = 4 << 20  # a rank's chunks are uploaded in parts of about this size (protocol/upload.py)
+FETCH_LANES = 2  # parts of one version a receiver downloads at once (receiver/fetch.py)
+
+__all__ = ["DEFAULT_CHUNK_SPAN", "FETCH_LANES", "PART_BYTES", "CommitPolicy", "DCRConfig", "FollowerConfig",
+           "PublisherConfig"]
+
+
+@dataclass
+class CommitPolicy:
+    """What the committer does about receivers that are slow, missing or refuse a version.
+
+    wait:   commit once every expected receiver acked; a refusal aborts; past `timeout` it is
+            an error (the trainer sees it; nothing is committed).
+    abort:  as wait, but past `timeout` the version is aborted (senders restore their
+            baselines; the next version covers the changes).
+    quorum: commit once every expected receiver answered, or at `timeout` if at least
+            `quorum` of them acked; the rest are marked lagging and catch up later;
+            otherwise abort.
+    Expected receivers: those registered (and seen within `live_s`) when the version is
+    sealed. With none registered, a sealed version commits at once.
+    """
+
+    mode: Literal["wait", "abort", "quorum"] = "quorum"
+    timeout: float = 60.0
+    quorum: float = 0.5
+    live_s: float = 600.0
+    poll: float = 0.01
+
+    def __post_init__(self):
+        if self.mode not in ("wait", "abort", "quorum"):
+            raise ValueError(f"commit policy must be wait, abort or quorum, not {self.mode!r}")
+        if not 0.0 <= self.quorum <= 1.0:
+            raise ValueError("quorum is a fraction in [0, 1]")
+
+
+@dataclass
+class PublisherConfig:
+    """How a Publisher sends. DCRConfig.publisher_config() builds it from the callback's
+    options; Publisher(..., **options) overrides fields by name."""
+
+    max_pending_bytes: int = 1 << 30  # undo-log bytes queued for upload before publish() blocks
+    span: int = DEFAULT_CHUNK_SPAN  # canonical positions per chunk
+    level: int = 1  # zstd level of zstd-coded streams
+    seal_timeout: float = 600.0  # seconds rank 0 waits for every rank's manifest
+    policy: CommitPolicy = field(default_factory=CommitPolicy)  # slow or refusing receivers
+    part_bytes: int = PART_BYTES  # chunks are uploaded in parts of about this size, each as soon as full
+    baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
+    worker: Literal["process", "thread"] = "process"  # where encoding and upload run
+    nice: int = 19  # the worker's nice value (19, in a process: only on otherwise idle CPU)
+    resume: bool = False  # a store with versions: rebase on its last committed one (a restarted job)
+
+    def __post_init__(self):
+        check_baseline_option(self.baseline)
+        if self.worker not in ("process", "thread"):
+            raise ValueError(f"worker must be 'process' or 'thread', not {self.worker!r}")
+
+
+@dataclass
+class FollowerConfig:
+    """How a Follower takes part and paces itself (`nemo-dcr receive` builds it from its
+    options; Follower(..., **options) overrides fields by name)."""
+
+    receiver_id: str | None = None  # set: register under it, ack versions, take part in the joint commit
+    decision_timeout: float = 600.0  # seconds to wait for a version's decision after acking it
+    check_digests: bool = True  # check the held weights, and every version applied, against the digests
+    poll_s: float = 0.01  # pause between polls while versions come
+    # the longest pause between polls once idle (IDLE_AFTER_S) on a store that cannot
+    # long-poll: polling every poll_s, an idle receiver listed S3 about 77 times a second
+    # (9% of a core); at 0.1 s about 10, and a version that starts after an idle second is
+    # seen up to 0.1 s later. Relays are long-polled: there it changes nothing.
+    idle_poll_s: float = 0.1
+    journal: str | None = None  # redo journal directory: weights that outlive this follower (journal.py)
+    early: bool | str = False  # apply while fetching: True, "sealed" or False (APPLY_MODES; fetch.py)
+    # The registration (liveness, and the version held, which gc keeps) is refreshed after an
+    # apply at most this often: a write per version per receiver is load on the relays and
+    # the store that a fleet multiplies, and it was on the refit's path.
+    register_every_s: float = 30.0
+    fetch_lanes: int = FETCH_LANES  # parts of one version downloading at once (receiver.fetch.Parts)
+
+    def __post_init__(self):
+        if self.early not in (False, True, "sealed"):
+            raise ValueError(f"early must be False, True or 'sealed', not {self.early!r}")
+        if self.fetch_lanes < 1:
+            raise ValueError("fetch_lanes must be >= 1")
+
+
+@dataclass
+class DCRConfig:
+    """Every option of the callback (configs/dcr.yaml documents each one; a test checks that
+    its defaults are these). The fields are flat: they are the YAML surface (`dcr.store=...`).
+    The components' configs are built from them; the defaults they share are taken from the
+    components' own configs, so each is written once."""
+
+    store: str | None = None  # URL (file:///path); None: file://<trainer.default_root_dir>/dcr-store
+    family: str = "llama"  # placement table (nemo_dcr_callback.placement.FAMILIES)
+    vocab_size: int | None = None  # the tokenizer's vocabulary; None: pl_module.dcr_vocab_size
+    every_n_steps: int = 1  # publish a version every N optimizer steps
+    max_pending_bytes: int = PublisherConfig.max_pending_bytes  # undo-log bytes queued before a step blocks
+    chunk_span: int = PublisherConfig.span  # positions per chunk
+    zstd_level: int = PublisherConfig.level  # for zstd-coded streams
+    keyframe: bool = True  # write the dense export of version 0 as the receivers' starting point
+    verify: bool = False  # check every version bit for bit against the dense export (slow)
+    seal_timeout: float = PublisherConfig.seal_timeout  # seconds rank 0 waits for every rank's manifest
+    commit_policy: str = CommitPolicy.mode  # wait | abort | quorum: what to do about slow or refusing receivers
+    ack_timeout: float = CommitPolicy.timeout  # seconds the committer waits for receivers' acks
+    quorum: float = CommitPolicy.quorum  # quorum policy: fraction of registered receivers that must ack
+    keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
+    part_bytes: int = PublisherConfig.part_bytes  # chunks are uploaded in parts of about this size
+    baseline: str = PublisherConfig.baseline  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory
+    resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
+
+    def __post_init__(self):  # bad options are refused when the trainer is built, not at its first step
+        if self.every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        if self.keyframe_every < 0:
+            raise ValueError("keyframe_every must be >= 0")
+        check_baseline_option(self.baseline)
+        self.publisher_config()
+
+    def commit_policy_config(self) -> CommitPolicy:
+        """What the committer (rank 0) does about slow or refusing receivers."""
+        return CommitPolicy(self.commit_policy, self.ack_timeout, self.quorum)
+
+    def publisher_config(self) -> PublisherConfig:
+        """Every rank's Publisher."""
+        return PublisherConfig(max_pending_bytes=self.max_pending_bytes, span=self.chunk_span, level=self.zstd_level,
+                               seal_timeout=self.seal_timeout, policy=self.commit_policy_config(),
+                               part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume)

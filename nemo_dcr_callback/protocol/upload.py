@@ -1,0 +1,85 @@
+"""One rank's share of a version, written to the store: parts, then sums, then the manifest.
+
+The order is the protocol's (docs/PROTOCOL.md): a manifest names only complete, checksummed
+parts, and the rank's slice digests are in the store before it, so whoever sees the manifest
+(the sealer) finds them. The sender's worker streams with RankWriter; tools and tests write a
+list of chunks with write_rank.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.config import PART_BYTES
+from nemo_dcr_callback.protocol.keys import part_key, rank_manifest, rank_sums
+from nemo_dcr_callback.protocol.records import PartRef, RankManifest, RankSums, dump
+
+
+class RankWriter:
+    """Streams one rank's chunks of one version: chunks gather into parts of `part_bytes`,
+    each part is uploaded as soon as it is full (concurrently where the store can), and the
+    manifest goes last, so a manifest always names complete, checksummed parts. Parts ramp up:
+    the first is a sixteenth of the size (at least 64 KiB), each next one twice the last, up
+    to part_bytes, so bytes start crossing the link after a sixteenth of the encoding work a
+    full part would take, and the link is not left idle while the next part is encoded (where
+    the encoder runs at about the link's rate, a full second part left it idle for most of
+    that part's encoding). bench refit at 1%: median 0.77 s with a quarter-size first part
+    and full parts after it, 0.70-0.74 s with the ramp (and FETCH_LANES)."""
+
+    def __init__(self, store, v: int, base: int, rank: int, world: int, part_bytes: int = PART_BYTES,
+                 max_inflight: int = 8):
+        self.store, self.v, self.base, self.rank, self.world = store, v, base, rank, world
+        self.part_bytes, self.max_inflight = part_bytes, max_inflight
+        self.first_part_bytes = min(part_bytes, max(64 << 10, part_bytes // 16))
+        self._next_bytes = self.first_part_bytes  # the size the part being filled is sent at
+        self.parts: list[PartRef] = []
+        self._buf: list[bytes] = []
+        self._size = 0
+        self._futs: list = []
+
+    def add(self, chunk: bytes) -> None:
+        self._buf.append(chunk)
+        self._size += len(chunk)
+        if self._size >= self._next_bytes:
+            self._flush_part()
+            self._next_bytes = min(self.part_bytes, 2 * self._next_bytes)
+
+    def _flush_part(self) -> None:
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        key = part_key(self.v, self.rank, len(self.parts))
+        self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
+                                  checksum=xxhash.xxh3_64_hexdigest(data)))
+        self._buf, self._size = [], 0
+        pool = getattr(self.store, "executor", None)
+        if pool is None:
+            self.store.put(key, data, durable=False)
+            return
+        self._futs = [f for f in self._futs if not f.done() or f.exception()]
+        while len(self._futs) >= self.max_inflight:  # bounded memory: wait for the oldest upload
+            self._futs.pop(0).result()
+        self._futs.append(pool().submit(self.store.put, key, data, False))
+
+    def finish(self, params: int, changed: int, digests: dict[str, int]) -> RankManifest:
+        self._flush_part()
+        for f in self._futs:
+            f.result()  # the first upload error is raised here
+        sums = RankSums(version=self.v, base=self.base, rank=self.rank,
+                        digests={k: digest.hexd(d) for k, d in digests.items()})
+        self.store.put(rank_sums(self.v, self.rank), dump(sums), durable=False)  # before the manifest: sealed
+        m = RankManifest(version=self.v, base=self.base, rank=self.rank, world=self.world, parts=self.parts,
+                         bytes=sum(p["bytes"] for p in self.parts), chunks=sum(p["chunks"] for p in self.parts),
+                         params=params, changed=changed)
+        self.store.put(rank_manifest(self.v, self.rank), dump(m), durable=False)
+        return m
+
+
+def write_rank(store, v: int, base: int, rank: int, world: int, chunks: list[bytes], params: int, changed: int,
+               digests: dict[str, int] | None = None) -> RankManifest:
+    """One rank's chunks in one go (tools and tests; the publisher streams with RankWriter)."""
+    w = RankWriter(store, v, base, rank, world)
+    for c in chunks:
+        w.add(c)
+    return w.finish(params, changed, digests or {})
