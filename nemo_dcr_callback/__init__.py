@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # DCRCallback without importing lightning for every CLI call
     if name == "DCRCallback":
-        from nemo_dcr_callback.sender.callback import DCRCallback
+        from nemo_dcr_callback.sender.callback import DCRCallback  # start-up cost: lightning, for every CLI call
 
         return DCRCallback
     raise AttributeError(name)

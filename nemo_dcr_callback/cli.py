@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (2 on an error it reports)."""
     args = build_parser().parse_args(argv)
+    # start-up cost: these load torch (~1 s); --help, --version and usage errors exit before
     from nemo_dcr_callback.codec import ChunkError
     from nemo_dcr_callback.codec.checkpoint import CheckpointError
     from nemo_dcr_callback.tools.deltafile import DeltaError

@@ -10,6 +10,7 @@ or past the world size) is a LaunchError naming it, before any process group han
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -180,3 +181,14 @@ def torchrun_cmd(nproc: int, target: list[str]) -> list[str]:
     local processes, rendezvous on a free loopback port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *target]
+
+
+def is_loopback(host: str) -> bool:
+    """Is `host` (a name, an IPv4 or IPv6 address, bracketed or not) this machine's loopback?
+    Services without authentication bind only there."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,97 +1,14 @@
-"""Shared fixtures: special bit patterns and tensor factories."""
+"""Fixtures for the whole suite. Helpers that tests import live in tests/helpers/.
+
+Every folder under tests/ is a package (an __init__.py), tests/ included: test modules are
+imported as tests.<folder>.<name>, so files of the same name in different folders do not
+collide, and `from tests.helpers... import ...` works wherever pytest is started."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-import torch
 
 from nemo_dcr_callback.core import kernels
-from nemo_dcr_callback.core.rawbits import bits
-
-FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-# NaN (quiet and signalling payloads), +-Inf, +-0.0, subnormals, max finite, per dtype.
-SPECIALS = {
-    torch.bfloat16: [0x7FC0, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F],
-    torch.float16: [0x7E00, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF],
-    torch.float32: [0x7FC00000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0, 0x80000000, 1,
-                    0x807FFFFF, 0x7F7FFFFF],
-}
-
-
-def from_bits(pattern: list[int], dtype: torch.dtype) -> torch.Tensor:
-    w = torch.empty(0, dtype=dtype).element_size()
-    signed = [p - (1 << (8 * w)) if p >= 1 << (8 * w - 1) else p for p in pattern]
-    return torch.tensor(signed, dtype=bits(torch.empty(1, dtype=dtype)).dtype).view(dtype)
-
-
-def perturb(t: torch.Tensor, rate: float, gen: torch.Generator, specials: bool = False) -> torch.Tensor:
-    """A copy of t with about `rate` of its elements changed (random bits, +-1 ulp, specials)."""
-    out = t.clone()
-    b = bits(out)
-    n = b.numel()
-    if n == 0 or rate == 0:
-        return out
-    k = max(1, round(rate * n)) if rate < 1 else n
-    idx = torch.randperm(n, generator=gen)[:k]
-    mode = torch.randint(0, 3, (k,), generator=gen)
-    w = out.element_size()
-    flips = torch.randint(1, 1 << min(8 * w - 1, 15), (k,), generator=gen).to(b.dtype)
-    new = b[idx].clone()
-    new = torch.where(mode == 0, new ^ flips, new)
-    new = torch.where(mode == 1, new ^ 1, new)
-    new = torch.where(mode == 2, new + 1, new)
-    same = new == b[idx]
-    new = torch.where(same, new ^ 1, new)
-    b[idx] = new
-    if specials and out.dtype in SPECIALS and n >= 1:
-        sp = bits(from_bits(SPECIALS[out.dtype], out.dtype))
-        m = min(n, sp.numel())
-        b[torch.randperm(n, generator=gen)[:m]] = sp[:m]
-    return out
-
-
-def race(fn, n: int) -> list:
-    """Call fn(i) for i in range(n) from n threads started together; the results, in finishing order."""
-    import threading
-
-    out: list = []
-    ths = [threading.Thread(target=lambda i=i: out.append(fn(i))) for i in range(n)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
-    return out
-
-
-class TimedListings:
-    """A real store whose `children` listings (a follower's or a relay's poll of it) are
-    timed in .at; everything else passes through."""
-
-    def __init__(self, store):
-        self.store, self.at = store, []
-
-    def children(self, prefix):
-        self.at.append(time.monotonic())
-        return self.store.children(prefix)
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-
-def random_tensor(shape, dtype: torch.dtype, gen: torch.Generator, specials: bool = True) -> torch.Tensor:
-    if dtype.is_floating_point:
-        t = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
-    else:
-        t = torch.randint(-100, 100, shape, generator=gen).to(dtype)
-    if specials and dtype in SPECIALS and t.numel():
-        b = bits(t)
-        sp = bits(from_bits(SPECIALS[dtype], dtype))
-        m = min(b.numel(), sp.numel())
-        b[:m] = sp[:m]
-    return t
 
 
 @pytest.fixture
@@ -103,3 +20,21 @@ def reference_only(monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def _native_built():
     assert kernels.native() is not None, "the compiled CPU kernels must build for the test suite"
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real S3 server (SeaweedFS on loopback, with credentials it checks), one per session
+    (tests/faults starts its own)."""
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    with SeaweedS3(tmp_path_factory.mktemp("seaweed")) as s3:
+        yield s3
+
+
+@pytest.fixture
+def s3_store(seaweed, request):
+    """An S3Store on a prefix of the seaweed server of this test's own (named after its module
+    and itself: one server serves the whole session)."""
+    name = request.node.name.replace("[", "-").replace("]", "")
+    return seaweed.store(f"{request.module.__name__.rsplit('.', 1)[-1]}-{name}")

@@ -223,3 +223,46 @@ def test_sender_and_receiver_meet_only_in_protocol():
     graph = package_graph()
     bad = [f"{m} -> {t}" for m, ts in graph.items() for t in ts if APART.get(area(m)) == area(t)]
     assert not bad, "\n".join(bad)
+
+
+def _reasonless_inner_imports(source: str) -> list[int]:
+    """Line numbers of imports inside functions with no comment on their line, on the line
+    above, or on a line of the run of imports they belong to."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    out: list[int] = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            for body in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                if not isinstance(body, list):
+                    continue
+                i = 0
+                while i < len(body):
+                    if not isinstance(body[i], (ast.Import, ast.ImportFrom)):
+                        i += 1
+                        continue
+                    j = i
+                    while j + 1 < len(body) and isinstance(body[j + 1], (ast.Import, ast.ImportFrom)):
+                        j += 1
+                    first, last = body[i].lineno, body[j].end_lineno
+                    if not any("#" in t for t in lines[max(first - 2, 0):last]):
+                        out.append(first)
+                    i = j + 1
+    return out
+
+
+def test_an_import_inside_a_function_says_why():
+    bad = []
+    for mod, path in modules().items():
+        if area(mod) in NOT_PRODUCT:
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{n}" for n in _reasonless_inner_imports(path.read_text())]
+    assert not bad, f"{len(bad)} imports inside functions without a reason:\n" + "\n".join(bad)
+
+
+def test_the_reason_check_sees_a_missing_reason():
+    assert _reasonless_inner_imports("def f():\n    import json\n") == [2]
+    assert _reasonless_inner_imports("def f():\n    import vllm  # optional\n") == []
+    assert _reasonless_inner_imports("def f():\n    # boto3 is optional\n    import boto3\n    import x\n") == []

@@ -10,7 +10,8 @@ and a 1,209-tensor MoE, one AdamW step at about 1% and 4% change), against:
   conditioned on the old value's exponent, statistics per exponent shared by the version's
   tensors (what the context-modelled coding aims at; no model cost counted).
 Decode + apply runs in memory on one core, beside a dense copy of the same weights; the
-refit row publishes a version of a 100M-parameter model through the real sender path and
+refit row publishes a version of a 100M-parameter model through the sender path over whole
+tensors (TensorSender: the Publisher's chunks, parts and records, without placement) and
 counts what is not chunk payload (chunk headers, part and rank manifests, the version record).
 """
 
@@ -149,7 +150,7 @@ RECEIVED = ("part", "rank_manifest", "record", "decision")  # what every receive
 
 
 def refit_row(p: corpus.Pair, work: Path) -> dict:
-    """One version of the pair through the real sender path (TensorSender, FileStore, seal,
+    """One version of the pair through the sender path over whole tensors (TensorSender, FileStore, seal,
     commit): every object of the version a receiver downloads, and what in it is not chunk
     payload."""
     from nemo_dcr_callback.protocol import commit, keys

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback.core import kernels
+from nemo_dcr_callback.core.bitops import scatter
 from nemo_dcr_callback.core.rawbits import bits
 
 MASK = (1 << 64) - 1
@@ -88,8 +89,6 @@ def scatter_terms(target: torch.Tensor, positions: torch.Tensor, values: torch.T
     """delta.scatter with the digest terms of the touched elements before and after, in one
     pass over the target (the receiver's apply and its check, fused). offset: as in sum64_at
     (target is a part of a larger tensor, from `offset` on; positions are the larger one's)."""
-    from nemo_dcr_callback.core.bitops import scatter
-
     lib = kernels.native()
     t = bits(target)
     if lib is None or positions.dtype not in (torch.int32, torch.int64) or not t.is_contiguous() or t.is_cuda:

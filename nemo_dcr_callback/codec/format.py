@@ -13,6 +13,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 import xxhash
+import zstandard
 
 from nemo_dcr_callback.codec import context
 from nemo_dcr_callback.codec.streams import GapMode, gap_bound
@@ -331,7 +332,6 @@ def _members_py(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Ch
 
 
 def _unzstd_table(data: bytes, raw: int) -> bytes:
-    import zstandard
     try:
         if zstandard.frame_content_size(data) != raw:
             raise ChunkError("member table's zstd frame declares another size (corrupt member table)")

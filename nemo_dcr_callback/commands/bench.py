@@ -4,6 +4,7 @@ never at module level: product code does not depend on the benchmarks."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from nemo_dcr_callback.commands.base import Command, positive, rates
 
@@ -18,6 +19,7 @@ def _torchrun_arguments(p: argparse.ArgumentParser, pp: int, extra: str) -> None
 
 def _torchrun(nproc: int, module: str, args: list[str]) -> int:
     """Run a module under torchrun on this host (gloo on CPU)."""
+    # start-up cost: subprocess and launcher are not loaded for every CLI call, only a torchrun benchmark
     import subprocess
 
     from nemo_dcr_callback.launcher import torchrun_cmd
@@ -41,12 +43,12 @@ def _codec_arguments(p: argparse.ArgumentParser) -> None:
 
 def _codec(args: argparse.Namespace) -> int:
     if args.real:
-        from nemo_dcr_callback.bench import codec_real
+        from nemo_dcr_callback.bench import codec_real  # start-up cost: only when this benchmark runs
 
         codec_real.run(min(args.reps, 3), rates=tuple(args.change_rates or (0.01, 0.04)), refit=not args.no_refit,
                        json_path=args.json)
         return 0
-    from nemo_dcr_callback.bench import codec
+    from nemo_dcr_callback.bench import codec  # start-up cost: only when this benchmark runs
 
     codec.run(args.params, tuple(args.change_rates or (0.01, 0.03, 0.05)), args.reps, args.seed, args.json)
     return 0
@@ -82,7 +84,7 @@ def _overhead_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import overhead
+    from nemo_dcr_callback.bench import overhead  # start-up cost: only when this benchmark runs
 
     overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra),
                  alternate=args.alternate)
@@ -104,7 +106,7 @@ def _refit_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _refit(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import refit
+    from nemo_dcr_callback.bench import refit  # start-up cost: only when this benchmark runs
 
     refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
               json_path=args.json, apply=args.apply, repeats=args.repeats)
@@ -121,11 +123,9 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _vllm(args: argparse.Namespace) -> int:
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("vLLM is not installed here: run it in .venv-vllm (make test-vllm builds it)")
-    from nemo_dcr_callback.bench import vllm
+    from nemo_dcr_callback.bench import vllm  # start-up cost: only when this benchmark runs
 
     vllm.run(tuple(float(x) for x in args.rates.split(",")), args.hidden, args.layers, args.vocab, args.json)
     return 0
@@ -140,7 +140,7 @@ def _fp8_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fp8(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import fp8
+    from nemo_dcr_callback.bench import fp8  # start-up cost: only when this benchmark runs
 
     fp8.run(tuple(float(x) for x in args.rates.split(",")), args.repeats, real=not args.synthetic_only,
             json_path=args.json)
@@ -159,7 +159,7 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _receive(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import receive
+    from nemo_dcr_callback.bench import receive  # start-up cost: only when this benchmark runs
 
     receive.run(args.params, args.rate, args.versions, args.rounds, tuple(args.kinds.split(",")),
                 json_path=args.json)
@@ -189,7 +189,7 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _relay(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import relay
+    from nemo_dcr_callback.bench import relay  # start-up cost: only when this benchmark runs
 
     relay.run(args.params, args.mbit, args.rate, args.receivers, args.versions, json_path=args.json,
               scenarios=args.scenarios.split(","), apply=args.apply, rounds=args.rounds,
@@ -207,7 +207,7 @@ def _cuda_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cuda(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.bench import cuda
+    from nemo_dcr_callback.bench import cuda  # start-up cost: only when this benchmark runs
 
     return cuda.run([int(x) for x in args.sizes_mib.split(",") if x], [float(x) for x in args.rates.split(",") if x],
                     args.reps, args.json, check=not args.skip_check)

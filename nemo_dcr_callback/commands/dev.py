@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
+from nemo_dcr_callback import __version__
 from nemo_dcr_callback.commands.base import Command, positive
 
 _DOCTOR = "nemo_dcr_callback.tools.doctor"
@@ -17,7 +18,7 @@ _DOCTOR = "nemo_dcr_callback.tools.doctor"
 def _doctor_module(required: bool = True) -> ModuleType | None:
     """tools.doctor; None (or, if required, a ValueError the CLI reports) where it is missing."""
     try:
-        from nemo_dcr_callback.tools import doctor
+        from nemo_dcr_callback.tools import doctor  # in a try: an install without it runs every other command
     except ModuleNotFoundError as exc:
         if exc.name != _DOCTOR:
             raise
@@ -31,7 +32,6 @@ def version_text() -> str:
     """What `nemo-dcr --version` prints."""
     doctor = _doctor_module(required=False)
     if doctor is None:
-        from nemo_dcr_callback import __version__
         return f"nemo-dcr {__version__}"
     return doctor.version_text()
 
@@ -63,9 +63,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _demo(args: argparse.Namespace) -> int:
     # recipes/ is not product code: imported here, when the demo runs, never at module level
     if args.files:
-        from nemo_dcr_callback.recipes.demo import run_demo
+        from nemo_dcr_callback.recipes.demo import run_demo  # start-up cost: only when the demo runs
         return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)
-    from nemo_dcr_callback.recipes.demo import run_training_demo
+    from nemo_dcr_callback.recipes.demo import run_training_demo  # start-up cost: only when the demo runs
     return run_training_demo(args.steps, args.tp, args.pp, args.workdir)
 
 

@@ -48,6 +48,7 @@ def _diff_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _diff(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.codec import DEFAULT_CHUNK_SPAN
     from nemo_dcr_callback.tools.deltafile import diff, signing_key, stats
 
@@ -71,6 +72,7 @@ def _patch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _patch(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.tools.deltafile import patch, signing_key
 
     key = signing_key(args.verify_key_env) if args.verify_key_env else None
@@ -90,6 +92,7 @@ def _fp8_init_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fp8_init(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.receiver.targets.fp8_dir import convert
 
     info = convert(args.bf16, args.output, recipe=args.recipe, version=args.version)
@@ -105,6 +108,7 @@ def _stats_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.tools.deltafile import stats
 
     st = stats(args.delta)

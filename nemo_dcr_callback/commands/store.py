@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
+from pathlib import Path
 
 from nemo_dcr_callback.commands.base import Command, positive
 
@@ -56,7 +58,7 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
 def _receive_store(args: argparse.Namespace) -> str:
     """The store URL to follow: --store, or the relay --attach names in --topology."""
     if args.topology:
-        from nemo_dcr_callback.transport.topology import Topology
+        from nemo_dcr_callback.transport.topology import Topology  # start-up cost: only when this command runs
         if not args.attach:
             raise ValueError("--topology needs --attach RELAY (the relay this receiver attaches to)")
         topo = Topology.load(args.topology)
@@ -71,19 +73,17 @@ def _receive_store(args: argparse.Namespace) -> str:
 
 
 def _receive(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir
+    from nemo_dcr_callback.receiver.main import run_receive, run_receive_dir  # start-up cost: torch (~1 s)
 
     args.store = _receive_store(args)
     if args.id:
-        from nemo_dcr_callback.launcher import receiver_id
+        from nemo_dcr_callback.launcher import receiver_id  # start-up cost: only when this command runs
 
         args.id = receiver_id(args.id)
     if sum(bool(x) for x in (args.model_dir, args.fp8_dir, args.vllm, args.hf_model)) > 1:
         raise ValueError("give one of --hf-model, --model-dir, --fp8-dir and --vllm")
     if args.vllm:
-        import shlex
-
-        from nemo_dcr_callback.integrations import vllm_serve
+        from nemo_dcr_callback.integrations import vllm_serve  # start-up cost: only when this command runs
 
         return vllm_serve.run(args.store, args.vllm, receiver_id=args.id, version=args.version, host=args.host,
                               port=args.port, vllm_args=shlex.split(args.vllm_args), until=args.until,
@@ -131,9 +131,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from nemo_dcr_callback.tools import planner
+    from nemo_dcr_callback.tools import planner  # start-up cost: only when this command runs
     results = Path(args.results) if args.results else None
     if args.calibrate:
         planner.run_calibrate(results or planner.RESULTS)
@@ -203,7 +201,7 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
 def _relay_endpoints(args: argparse.Namespace) -> tuple[str, str, int]:
     """(parent URL, listen host, listen port) from --topology/--name or --parent, then --listen."""
     if args.topology:
-        from nemo_dcr_callback.transport.topology import Topology
+        from nemo_dcr_callback.transport.topology import Topology  # start-up cost: only when this command runs
         topo = Topology.load(args.topology)
         if args.name not in topo.nodes:
             raise ValueError(f"no relay {args.name!r} in {args.topology} (has {', '.join(topo.nodes)})")
@@ -218,23 +216,13 @@ def _relay_endpoints(args: argparse.Namespace) -> tuple[str, str, int]:
     return parent, host, port
 
 
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _relay(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.transport.relay import RelayConfig, serve
+    from nemo_dcr_callback.launcher import is_loopback  # start-up cost: only when this command runs
+    from nemo_dcr_callback.transport.relay import RelayConfig, serve  # start-up cost: aiohttp, only for a relay
 
     parent, host, port = _relay_endpoints(args)
     token = None if args.no_token else os.environ.get(args.token_env)
-    if args.no_token and not _loopback(host):
+    if args.no_token and not is_loopback(host):
         raise ValueError(f"--no-token is for loopback trials only, not for listening on {host}")
     if not args.no_token and not token:
         if token == "":
@@ -267,6 +255,7 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.tools.status import collect, render
     from nemo_dcr_callback.transport.store import open_store
 
@@ -283,6 +272,7 @@ def _gc_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    # start-up cost: loads torch (~1 s), only when this command runs
     from nemo_dcr_callback.protocol import commit
     from nemo_dcr_callback.tools.status import existing
     from nemo_dcr_callback.transport.store import open_store
@@ -302,7 +292,7 @@ def _s3_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _s3_server(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3  # start-up cost: only when this command runs
 
     s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port).start()
 

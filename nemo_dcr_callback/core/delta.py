@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dcr_callback.core import kernels
+from nemo_dcr_callback.core import cuda_kernels, kernels
 from nemo_dcr_callback.core.bitops import scatter
 from nemo_dcr_callback.core.rawbits import OP_XOR, SparseDelta, bits, index_dtype
 
@@ -74,8 +74,6 @@ def take_delta(current: torch.Tensor, baseline: torch.Tensor, threads: int | Non
     CUDA shards go to the CUDA kernel (cuda_kernels.take_delta_cuda: device outputs).
     """
     if current.is_cuda:
-        from nemo_dcr_callback.core import cuda_kernels
-
         return cuda_kernels.take_delta_cuda(current, baseline, keep_new=keep_new)
     lib = kernels.native()
     if lib is None:

@@ -165,7 +165,7 @@ def num_threads() -> int:
     env = os.environ.get("NEMO_DCR_THREADS")
     if env:
         return max(1, int(env))
-    import torch
+    import torch  # start-up cost: this module is on the CLI's path (tools.doctor), torch is not
 
     return max(1, torch.get_num_threads())
 

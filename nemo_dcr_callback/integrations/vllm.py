@@ -26,25 +26,56 @@ makes the CPU dispatch keep the weights, and after an apply the layers whose wei
 are repacked (the `repack_s` of the result). GPUs keep their weights; nothing is repacked.
 
 Arguments may come as strings: `vllm serve`'s /collective_rpc passes only strings.
+
+Served through HTTP (`nemo-dcr receive --vllm`: integrations/vllm_serve.py), anyone who reaches
+the dev-mode port can call these methods, so the server pins them: with NEMO_DCR_VLLM_STORE
+set, `dcr_attach` takes only that store (any other needs the operator's
+NEMO_DCR_VLLM_ANY_STORE=1), and with NEMO_DCR_VLLM_MODEL_DIR set, `dcr_reload_dense` reads
+only that folder.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec.checkpoint import Checkpoint
+from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, SERVED_DIR_ENV, STORE_ENV
+from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.receiver.background import BackgroundFollower
 from nemo_dcr_callback.receiver.targets.loader import LoaderTarget
+from nemo_dcr_callback.transport.store import open_store
 
 _KEEP = "_dcr_keeps_cpu_weights"
+
+
+def check_store_allowed(store_url: str) -> None:
+    """Refuse a store other than the one the server was started for (PermissionError)."""
+    pinned = os.environ.get(STORE_ENV)
+    if pinned is not None and store_url != pinned and os.environ.get(ANY_STORE_ENV) != "1":
+        raise PermissionError(f"dcr_attach: this engine follows only the store it was started for; another store "
+                              f"needs the operator's {ANY_STORE_ENV}=1")
+
+
+def check_reload_allowed(model_dir: str) -> None:
+    """Refuse a dense reload from any folder but the served model's (PermissionError)."""
+    served = os.environ.get(SERVED_DIR_ENV)
+    if served is not None and Path(model_dir).resolve() != Path(served):
+        raise PermissionError("dcr_reload_dense: this engine reloads only the folder it serves")
 
 
 def _keep_cpu_weights() -> None:
     """Make vLLM's CPU GEMM dispatch keep each linear's weight (idempotent)."""
     try:
-        from vllm.model_executor.layers import utils
+        from vllm.model_executor.layers import utils  # optional: vllm is only in .venv-vllm
     except ImportError:  # not inside vLLM (docs, tests of the rest of the package)
         return
     if getattr(utils, _KEEP, False):
@@ -88,7 +119,7 @@ def _keep_raw_experts() -> None:
     loader filled; memory for the experts doubles, as for the kept linear weights) so that
     updates go there and the layer is packed again afterwards (idempotent)."""
     try:
-        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # optional: vllm, CPU builds only
     except ImportError:
         return
     cls = cpu_moe.CPUUnquantizedExperts
@@ -155,17 +186,12 @@ _keep_raw_experts()
 
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Canonical (Hugging Face) names, shapes and dtypes, from the checkpoint's headers."""
-    from nemo_dcr_callback import codec
-    from nemo_dcr_callback.codec.checkpoint import Checkpoint
-
     ck = Checkpoint(model_dir)
     return {n: (torch.Size(ck.entry(n).shape), codec.dtype_info(ck.entry(n).dtype).torch) for n in ck.where}
 
 
 def _store_digests(store, version: int) -> bool:
     """Does the store hold the digests of `version` (its record, or its keyframe's)?"""
-    from nemo_dcr_callback.protocol import commit
-
     return bool((commit.read_record(store, version) if version else None) or commit.read_keyframe(store, version))
 
 
@@ -174,8 +200,6 @@ def _check_against(target: LoaderTarget, model_dir: str) -> None:
     from. It does not where vLLM keeps a weight in a layout of its own after loading (its CPU
     MoE prepacks the experts for its grouped GEMM): the loader would then write checkpoint rows
     into that layout, so such an engine is refused before anything is applied."""
-    from safetensors import safe_open
-
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
@@ -198,30 +222,22 @@ class _Group:
 
     def sum64(self, values: list[int]) -> list[int]:
         """Per entry, the sum mod 2^64 over the group (in 32-bit halves: no overflow)."""
-        import torch.distributed as dist
-
         t = torch.tensor([[v & 0xFFFFFFFF, v >> 32] for v in values], dtype=torch.int64).reshape(-1, 2)
         dist.all_reduce(t, group=self.group)
         return [(int(lo) + (int(hi) << 32)) & digest.MASK for lo, hi in t.tolist()]
 
     def max(self, value: int) -> int:
-        import torch.distributed as dist
-
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t)
 
     def union(self, names: set[str]) -> set[str]:
-        import torch.distributed as dist
-
         out: list = [None] * self.world
         dist.all_gather_object(out, sorted(names), group=self.group)
         return set().union(*out)
 
     def owned(self, held: torch.Tensor) -> torch.Tensor:
         """Of the elements this rank holds, those no lower rank holds."""
-        import torch.distributed as dist
-
         first = torch.where(held, self.rank, self.world).to(torch.int32)
         dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
         return first == self.rank
@@ -272,7 +288,7 @@ class DCRWorkerExtension:
 
     def _dcr_group(self) -> _Group | None:
         try:
-            from vllm.distributed.parallel_state import get_tp_group
+            from vllm.distributed.parallel_state import get_tp_group  # optional: vllm is only in .venv-vllm
         except ImportError:
             return None
         tp = get_tp_group()
@@ -285,8 +301,7 @@ class DCRWorkerExtension:
         readying the next versions. With tensor parallelism only the first rank registers and
         acks (one engine, one receiver). A relay's token is read from NEMO_DCR_RELAY_TOKEN in
         the engine's environment, never passed."""
-        from nemo_dcr_callback.transport.store import open_store
-
+        check_store_allowed(store_url)  # before anything changes: the engine goes on as it was
         self.dcr_detach()
         version = int(version)
         model = self.model_runner.model
@@ -316,8 +331,6 @@ class DCRWorkerExtension:
         return version
 
     def _dcr_follow(self, version: int) -> None:
-        from nemo_dcr_callback.receiver.background import BackgroundFollower
-
         store, rid, idle = self._dcr_args
         self._dcr = BackgroundFollower(store, self._dcr_target, version, receiver_id=rid, idle_poll_s=idle)
 
@@ -366,8 +379,7 @@ class DCRWorkerExtension:
         from a keyframe after the chain broke, and the benchmark's comparison); a follower then
         goes on from `version`, the weights checked against its digests first (refused: the
         engine follows nothing until a resync is accepted)."""
-        from safetensors.torch import load_file
-
+        check_reload_allowed(model_dir)
         following = hasattr(self, "_dcr_args")  # attached once: follow on (also after a refused resync)
         self.dcr_detach()
         t0 = time.perf_counter()
@@ -402,7 +414,7 @@ class DCRWorkerExtension:
             experts = list({id(m): m for k, m in moe.items() if k in keys}.values())
         t0 = time.perf_counter()
         if layers:
-            from vllm.model_executor.layers import utils
+            from vllm.model_executor.layers import utils  # optional: vllm is only in .venv-vllm
 
             for m in layers:
                 _dispatch_keeping(utils._dcr_dispatch, m)

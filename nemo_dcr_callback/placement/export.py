@@ -17,6 +17,7 @@ from nemo_dcr_callback.placement.families import Family, MapKind
 
 
 def _pieces(model) -> list[tuple[str, tuple, tuple, int, torch.Tensor]]:
+    # start-up cost: megatron.core takes ~2 s to import, only for a live Megatron model
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     inner = model

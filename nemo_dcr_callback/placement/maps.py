@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.placement.families import Family, MapKind, Rule
 
 
@@ -97,8 +98,6 @@ class Placement:
         """Sorted local flat positions (positions + add; int32 or int64) -> canonical positions
         per tensor (sorted, int64), with the slices of the input that went to each (so values
         follow with the same slices). The compiled map runs when the library is there."""
-        from nemo_dcr_callback.core import kernels
-
         lib = kernels.native()
         out: dict[int, Projected] = {}
         # the bounds in the positions' own dtype (clipped to its range, which keeps every
@@ -201,7 +200,7 @@ def _is_main(replica_id) -> bool:
 
 def _expert_dp() -> tuple[int, int]:
     """This rank's expert-data-parallel rank and size (megatron-core's parallel state)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # start-up cost: megatron.core takes ~2 s to import
 
     return ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()
 
@@ -213,6 +212,7 @@ def build_placement(model, family: Family, vocab_size: int, *, dtype: torch.dtyp
     expert bias) of this rank's model chunk (a megatron-core GPTModel, or a DDP / Float16Module
     wrapper around one). Expert parameters are split over the expert-data-parallel ranks
     (edp_*: default, megatron-core's parallel state), the others over dp_*."""
+    # start-up cost: megatron.core takes ~2 s to import, only for a live Megatron model
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     inner = model

@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from safetensors.torch import save
+
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.config import CommitPolicy
 from nemo_dcr_callback.protocol import keys
@@ -31,6 +33,7 @@ from nemo_dcr_callback.protocol.keys import (  # noqa: F401 - re-exported for co
     version_record,
 )
 from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for commit's callers
+    RECEIVER_RECORD_MAX,
     Ack,
     Decision,
     PartRef,
@@ -45,17 +48,20 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
 from nemo_dcr_callback.protocol.store import backoff, wait_change, wait_news
 
 
-def read_json(store, key: str):
+def read_json(store, key: str, limit: int | None = None):
     """A JSON object from the store, or None if the key does not exist; RecordError (naming the
-    key) if the object is not JSON."""
+    key) if the object is not JSON this reader takes: not JSON, over `limit` bytes, a number
+    past Python's 4,300 digits (ValueError) or nesting past its recursion limit."""
     try:
         data = store.get(key)
     except KeyError:
         return None
+    if limit is not None and len(data) > limit:
+        raise RecordError(f"{key}: {len(data)} bytes, more than such a record may have ({limit})")
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise RecordError(f"{key}: not JSON ({len(data)} bytes)") from None
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise RecordError(f"{key}: not JSON this reader takes ({len(data)} bytes)") from None
 
 
 _warned: set[str] = set()
@@ -80,19 +86,23 @@ def _lenient(kind: str, key: str, obj) -> dict | None:
 
 def _read_lenient(store, key: str):
     try:
-        return read_json(store, key)
+        return read_json(store, key, RECEIVER_RECORD_MAX)
     except RecordError as exc:
         return exc
 
 
-def read_jsons(store, keys: list[str]) -> list:
-    """read_json of each key, concurrently where the store has a thread pool (a fleet's acks
-    and registrations: one request each, which in a row put a round trip per receiver on the
-    commit's path)."""
+def read_receiver_records(store, kind: str, keys: list[str]) -> list[dict | None]:
+    """The one reader of what receivers write (registrations, acks): each key's record, or
+    None where it is absent or bad (over RECEIVER_RECORD_MAX bytes, not JSON this reader
+    takes, not the record its key says: skipped with one warning naming the key), read
+    concurrently where the store has a thread pool (a fleet's records: one request each,
+    which in a row put a round trip per receiver on the commit's path)."""
     pool = getattr(store, "executor", None)
     if pool is None or len(keys) < 2:
-        return [_read_lenient(store, k) for k in keys]
-    return list(pool().map(lambda k: _read_lenient(store, k), keys))
+        raw = [_read_lenient(store, k) for k in keys]
+    else:
+        raw = list(pool().map(lambda k: _read_lenient(store, k), keys))
+    return [_lenient(kind, k, r) for k, r in zip(keys, raw, strict=True)]
 
 
 def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.01) -> VersionRecord:
@@ -141,7 +151,7 @@ def read_record(store, v: int) -> VersionRecord | None:
 
 def list_versions(store) -> list[int]:
     """Every version that has objects in the store (sealed or not)."""
-    return sorted(int(c) for c in store.children(keys.VERSIONS) if c.isdigit())
+    return sorted(v for v in map(keys.version_of, store.children(keys.VERSIONS)) if v is not None)
 
 
 # ------------------------------------------------------------------ receivers and acks
@@ -156,8 +166,7 @@ def receivers(store, live_s: float | None = None) -> dict[str, Registration]:
     out = {}
     now = time.time()
     names = [f"{keys.RECEIVERS}/{n}" for n in store.children(keys.RECEIVERS) if n.endswith(".json")]
-    for key, r in zip(names, read_jsons(store, names), strict=True):
-        r = _lenient("registration", key, r)
+    for r in read_receiver_records(store, "registration", names):
         if r is not None and (live_s is None or now - r["time"] <= live_s):
             out[r["receiver"]] = r
     return out
@@ -198,14 +207,14 @@ def read_acks(store, v: int, seen: dict[str, Ack] | None = None, expected: list[
     if expected is not None:
         missing = [r for r in expected if f"{r}.json" not in seen]  # seen: by object name, as listed
         if len(missing) <= DIRECT_ACK_READS:
-            for r, a in zip(missing, read_jsons(store, [ack_key(v, r) for r in missing]), strict=True):
-                a = _lenient("ack", ack_key(v, r), a)
+            for r, a in zip(missing, read_receiver_records(store, "ack", [ack_key(v, r) for r in missing]),
+                            strict=True):
                 if a is not None:
                     seen[f"{r}.json"] = a
             return {a["receiver"]: a for a in seen.values()}
     new = [n for n in store.children(keys.acks_dir(v)) if n not in seen]
-    for name, a in zip(new, read_jsons(store, [f"{keys.acks_dir(v)}/{n}" for n in new]), strict=True):
-        a = _lenient("ack", f"{keys.acks_dir(v)}/{name}", a)
+    for name, a in zip(new, read_receiver_records(store, "ack", [f"{keys.acks_dir(v)}/{n}" for n in new]),
+                       strict=True):
         if a is not None:
             seen[name] = a
     return {a["receiver"]: a for a in seen.values()}
@@ -249,7 +258,7 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
         n_seen = len(seen)
         if news is not None and time.monotonic() - listed_at < ACK_LIST_EVERY_S:
             named = [k for k in news if k.startswith(f"{keys.acks_dir(v)}/") and k.rsplit("/", 1)[1] not in seen]
-            for k, a in zip(named, read_jsons(store, named), strict=True):
+            for k, a in zip(named, read_receiver_records(store, "ack", named), strict=True):
                 if a is not None:
                     seen[k.rsplit("/", 1)[1]] = a
         else:
@@ -340,8 +349,6 @@ def abort_dangling(store, versions: list[int], reason: str = "the senders restar
 def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
     """A full canonical checkpoint of version v (safetensors), its config and digests; the
     record goes last, so a keyframe with a record is complete."""
-    from safetensors.torch import save
-
     store.put(keys.keyframe_model(v), save({k: t.contiguous() for k, t in tensors.items()}))
     if config_json is not None:
         store.put(keys.keyframe_config(v), config_json.encode())
@@ -351,7 +358,7 @@ def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None)
 
 def keyframes(store) -> list[int]:
     """Complete keyframes (with a record); version 0 counts as committed by definition."""
-    return sorted(int(c) for c in store.children(keys.KEYFRAMES) if c.isdigit()
+    return sorted(int(c) for c in store.children(keys.KEYFRAMES) if keys.version_of(c) is not None
                   and store.exists(keys.keyframe_record(c)))
 
 

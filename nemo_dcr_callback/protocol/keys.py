@@ -41,9 +41,32 @@ CONFIG_FILE = "config.json"
 PART_SUFFIX = ".dcr"
 
 
+VERSION_DIGITS = 10
+MAX_VERSION = 10**VERSION_DIGITS - 1
+
+
+def digits(name: str, width: int) -> int | None:
+    """The number a fixed-width name field stands for: exactly `width` ASCII digits; None for
+    anything else (str.isdigit takes Arabic-Indic and superscript digits, which int() then reads
+    or refuses: a receivers'-token holder made folders that status, gc and resume choked on)."""
+    if len(name) == width and name.isascii() and name.isdigit():
+        return int(name)
+    return None
+
+
+def version_of(name: str) -> int | None:
+    """The version a folder name of versions/, keyframe/ or verify/ stands for, or None: such
+    a name is no version, ignored by every reader and refused by the relay."""
+    return digits(name, VERSION_DIGITS)
+
+
 def _num(v: int | str) -> str:
     """A version's folder name: numbers zero-padded, names from a listing as they are."""
-    return v if isinstance(v, str) else f"{v:010d}"
+    if isinstance(v, str):
+        return v
+    if not 0 <= v <= MAX_VERSION:
+        raise ValueError(f"version {v} is out of range (0 to {MAX_VERSION})")
+    return f"{v:010d}"
 
 
 # ------------------------------------------------------------------ one version
@@ -134,7 +157,7 @@ def receiver_record(key: str) -> tuple[str, str, int | None] | None:
     parts = key.split("/")
     if len(parts) == 2 and parts[0] == RECEIVERS and parts[1].endswith(".json") and len(parts[1]) > 5:
         return "registration", parts[1][:-5], None
-    if (len(parts) == 4 and parts[0] == VERSIONS and parts[1].isdigit() and parts[2] == ACKS
+    if (len(parts) == 4 and parts[0] == VERSIONS and version_of(parts[1]) is not None and parts[2] == ACKS
             and parts[3].endswith(".json") and len(parts[3]) > 5):
         return "ack", parts[3][:-5], int(parts[1])
     return None
@@ -149,22 +172,24 @@ def kind(key: str) -> str | None:
     own = receiver_record(key)
     if own is not None:
         return own[0]
-    if len(p) == 3 and p[0] == VERSIONS and p[1].isdigit():
+    if len(p) == 3 and p[0] == VERSIONS and version_of(p[1]) is not None:
         if p[2] in (VERSION_FILE, DECISION_FILE):
             return "record" if p[2] == VERSION_FILE else "decision"
-        if p[2].startswith("rank-") and p[2].endswith(".json") and p[2][5:-5].isdigit():
+        if p[2].startswith("rank-") and p[2].endswith(".json") and digits(p[2][5:-5], 5) is not None:
             return "rank_manifest"
-        if p[2].startswith("sums-") and p[2].endswith(".json") and p[2][5:-5].isdigit():
+        if p[2].startswith("sums-") and p[2].endswith(".json") and digits(p[2][5:-5], 5) is not None:
             return "rank_sums"
-    if (len(p) == 4 and p[0] == VERSIONS and p[1].isdigit() and p[2].startswith("rank-") and p[2][5:].isdigit()
-            and p[3].startswith("part-") and p[3].endswith(PART_SUFFIX) and p[3][5:-len(PART_SUFFIX)].isdigit()):
+    if (len(p) == 4 and p[0] == VERSIONS and version_of(p[1]) is not None and p[2].startswith("rank-")
+            and digits(p[2][5:], 5) is not None and p[3].startswith("part-") and p[3].endswith(PART_SUFFIX)
+            and digits(p[3][5:-len(PART_SUFFIX)], 6) is not None):
         return "part"
-    if len(p) == 3 and p[0] == KEYFRAMES and p[1].isdigit():
+    if len(p) == 3 and p[0] == KEYFRAMES and version_of(p[1]) is not None:
         return {MODEL_FILE: "keyframe_model", CONFIG_FILE: "keyframe_config",
                 KEYFRAME_FILE: "keyframe_record"}.get(p[2])
-    if len(p) == 3 and p[0] == VERIFY and p[1].isdigit() and p[2] == MODEL_FILE:
+    if len(p) == 3 and p[0] == VERIFY and version_of(p[1]) is not None and p[2] == MODEL_FILE:
         return "verify_model"
-    if len(p) == 2 and p[0] == STATS and p[1].startswith("rank-") and p[1].endswith(".json") and p[1][5:-5].isdigit():
+    if (len(p) == 2 and p[0] == STATS and p[1].startswith("rank-") and p[1].endswith(".json")
+            and digits(p[1][5:-5], 5) is not None):
         return "stats"
     return None
 

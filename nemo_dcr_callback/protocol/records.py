@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Literal, TypedDict
 
 
@@ -88,14 +89,32 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 }
 
 
+# Receivers write registrations and acks with a token they all share: such a record is at most
+# this many bytes (a real one is about 150), so reading one costs little whatever was written.
+RECEIVER_RECORD_MAX = 16 << 10
+MAX_INT = 1 << 63  # counts, versions and sizes are in [0, 2^63)
+
+
+def _field_ok(val, types) -> bool:
+    if not isinstance(val, types) or (type(val) is bool and bool not in types):
+        return False
+    if type(val) is int:
+        return 0 <= val < MAX_INT
+    if type(val) is float:
+        return math.isfinite(val)
+    return True
+
+
 def check(kind: str, key: str, obj) -> dict:
-    """obj if it has every field of `kind` with the right type, else RecordError naming key."""
+    """obj if it has every field of `kind` with the right type (integers in [0, 2^63), finite
+    times), else RecordError naming key."""
     if not isinstance(obj, dict):
         raise RecordError(f"{key}: not a {kind} record (a JSON object expected, got {type(obj).__name__})")
     for field, types in SCHEMAS[kind].items():
         val = obj.get(field)
-        if not isinstance(val, types) or (type(val) is bool and bool not in types):
-            raise RecordError(f"{key}: not a {kind} record (field {field!r} is {val!r})")
+        if not _field_ok(val, types):
+            shown = repr(val) if len(repr(val)) <= 40 else repr(val)[:40] + "..."
+            raise RecordError(f"{key}: not a {kind} record (field {field!r} is {shown})")
     if kind == "decision" and obj["decision"] not in ("commit", "abort"):
         raise RecordError(f"{key}: not a decision record (decision {obj['decision']!r})")
     return obj

@@ -20,6 +20,7 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.store import StoreError, backoff
 from nemo_dcr_callback.receiver.follow import Applied, Follower
+from nemo_dcr_callback.receiver.targets import StateDictTarget
 
 
 class Stopped(RuntimeError):
@@ -78,8 +79,6 @@ class BackgroundFollower:
     `apply_with_terms` (LoaderTarget, StateDictTarget)."""
 
     def __init__(self, store, target, version: int = 0, *, idle_poll_s: float = 0.2, **options):
-        from nemo_dcr_callback.receiver.targets import StateDictTarget
-
         if options.get("journal") is not None:
             raise ValueError("a background follower cannot journal (the journal writes on the follower's thread)")
         target = StateDictTarget(target) if isinstance(target, dict) else target

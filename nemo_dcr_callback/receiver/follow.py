@@ -23,9 +23,11 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.config import FETCH_LANES, FollowerConfig
 from nemo_dcr_callback.protocol import commit
-from nemo_dcr_callback.protocol.keys import VERSIONS, is_part
+from nemo_dcr_callback.protocol.keys import VERSIONS, is_part, version_of
 from nemo_dcr_callback.protocol.store import StoreError, backoff, wait_news
 from nemo_dcr_callback.receiver.fetch import Parts, fetch_part
+from nemo_dcr_callback.receiver.journal import Journal
+from nemo_dcr_callback.receiver.targets import StateDictTarget
 
 __all__ = ["APPLY_MODES", "FETCH_LANES", "IDLE_AFTER_S", "Applied", "Follower", "FollowerConfig"]
 
@@ -62,8 +64,6 @@ class Follower:
     joint commit; without one it only applies committed versions."""
 
     def __init__(self, store, target, version: int = 0, *, config: FollowerConfig | None = None, **options):
-        from nemo_dcr_callback.receiver.targets import StateDictTarget
-
         cfg = self.config = replace(config or FollowerConfig(), **options)
         self.store = store
         self.target = StateDictTarget(target) if isinstance(target, dict) else target
@@ -86,8 +86,6 @@ class Follower:
         self.digests: dict[str, int] | None = None
         self.journal = None
         if cfg.journal is not None:  # weights that outlive this follower: complete a torn apply first
-            from nemo_dcr_callback.receiver.journal import Journal
-
             if not hasattr(self.target, "flat"):
                 raise ValueError("a journal needs a target with flat tensors (a state dict)")
             self.journal = Journal(cfg.journal)
@@ -337,7 +335,8 @@ class Follower:
         """Does the news name anything of a version after the one held (or outside them)?"""
         for k in news:
             path = k.split("/")
-            if len(path) < 2 or path[0] != VERSIONS or not path[1].isdigit() or int(path[1]) > self.version:
+            v = version_of(path[1]) if len(path) >= 2 and path[0] == VERSIONS else None
+            if v is None or v > self.version:
                 return True
         return False
 

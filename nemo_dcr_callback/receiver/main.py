@@ -9,18 +9,22 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import load_keyframe
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
+from nemo_dcr_callback.receiver.targets import CheckpointDirTarget, LoaderTarget
+from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
 def load_model(store, hf_model: str | None, timeout: float):
     """The receiver's model: a Hugging Face directory, or the store's keyframe of version 0
     (waited for, then loaded through transformers' own loader)."""
+    # start-up cost: transformers takes ~0.8 s to import; --model-dir and --fp8-dir never load it
     from transformers import AutoModelForCausalLM
 
     if hf_model is None:
@@ -41,8 +45,6 @@ def load_model(store, hf_model: str | None, timeout: float):
 def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: float = 120.0) -> str | None:
     """Compare with the dense export of version v (the trainer writes it just after sealing
     the version, so wait for it); the first mismatching tensor, or None."""
-    from safetensors.torch import load
-
     deadline = time.monotonic() + timeout
     while not store.exists(commit.verify_key(v)):
         if time.monotonic() > deadline:
@@ -85,8 +87,6 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
     model = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
     if apply == "loader":  # through the model's own loading code (load_state_dict), see targets/loader.py
-        from nemo_dcr_callback.receiver.targets import LoaderTarget
-
         shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
         target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes)
         f = Follower(store, target, version=0, config=cfg)
@@ -133,9 +133,6 @@ def run_receive_dir(url: str, model_dir: str, follow: bool, until: int | None, t
                     idle_poll_s: float = 0.1, json_lines: bool = False, fp8: bool = False) -> int:
     """Patch a checkpoint directory in place (crash-safe, see targets.CheckpointDirTarget);
     fp8: a block-FP8 directory, requantized where a version changed it (targets/fp8_dir.py)."""
-    from nemo_dcr_callback.receiver.targets import CheckpointDirTarget
-    from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
-
     cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
     store = open_store(url)
     target = (Fp8DirTarget if fp8 else CheckpointDirTarget)(model_dir)

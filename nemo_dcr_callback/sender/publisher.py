@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, replace
 
 import torch
+import torch.distributed as dist
 
 from nemo_dcr_callback.config import PublisherConfig
 from nemo_dcr_callback.placement import Family, Placement, build_placement
@@ -49,14 +50,13 @@ class Publisher:
     def __init__(self, model, *, family: Family, vocab_size: int, store, config: PublisherConfig | None = None,
                  rank: int | None = None, world: int | None = None, dp_rank: int | None = None,
                  dp_size: int | None = None, base_version: int = 0, **options):
-        import torch.distributed as dist
-
         cfg = self.config = replace(config or PublisherConfig(), **options)
         self.store = open_store(store) if isinstance(store, str) else store
         self.rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
         self.world = dist.get_world_size() if world is None and dist.is_initialized() else (world or 1)
         if dp_rank is None or dp_size is None:
             try:
+                # start-up cost: megatron.core takes ~2 s to import; a plain torch model works without it
                 from megatron.core import parallel_state as ps
 
                 dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

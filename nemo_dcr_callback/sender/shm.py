@@ -8,10 +8,13 @@ views the deltas in place (`attach`, `unpack`). A worker thread gets the deltas 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 
 import torch
 
-from nemo_dcr_callback.core.rawbits import SparseDelta
+from nemo_dcr_callback.core import kernels
+from nemo_dcr_callback.core.delta import output_capacity
+from nemo_dcr_callback.core.rawbits import BITS_DTYPE, SparseDelta, index_dtype
 from nemo_dcr_callback.placement import Placement
 from nemo_dcr_callback.sender.shard import ShardSender
 
@@ -43,8 +46,6 @@ class ShmPool:
         self.busy: dict[int, object] = {}
 
     def take(self, version: int, size: int):
-        from multiprocessing import shared_memory
-
         fits = [s for s in self.free if s.size >= size]
         if fits:
             seg = min(fits, key=lambda s: s.size)
@@ -78,10 +79,6 @@ class Arena:
     times 8 bytes, but tmpfs holds only the pages written: about the changes' bytes."""
 
     def __init__(self, sender: ShardSender):
-        from nemo_dcr_callback.core import kernels
-        from nemo_dcr_callback.core.delta import output_capacity
-        from nemo_dcr_callback.core.rawbits import BITS_DTYPE, index_dtype
-
         self.threads = kernels.num_threads()
         self.regions: list[list[tuple[int, torch.dtype, int]]] = []  # per active slice: (offset, dtype, elements) x3
         off = 0
@@ -101,8 +98,6 @@ class Arena:
     @staticmethod
     def usable(sender: ShardSender) -> bool:
         """Only CPU shards with the compiled kernel write into caller buffers."""
-        from nemo_dcr_callback.core import kernels
-
         return kernels.native() is not None and not any(pm.param.is_cuda for pm in sender.active)
 
     def outputs(self, seg) -> list:
@@ -158,8 +153,6 @@ def attach(name: str) -> memoryview:
     """The worker's view of a pooled segment (the trainer owns and unlinks it)."""
     seg = _ATTACHED.get(name)
     if seg is None:  # (the spawned worker shares the trainer's resource tracker: one registration)
-        from multiprocessing import shared_memory
-
         seg = _ATTACHED[name] = shared_memory.SharedMemory(name=name)
     return seg.buf
 

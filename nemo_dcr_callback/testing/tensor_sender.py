@@ -97,9 +97,10 @@ class TensorSender:
 
 def publish(store, v: int, base: int, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int = 1,
             timeout: float = 60.0, **write_options) -> dict:
-    """One version old -> new through the real sender path: `world` TensorSenders write their
-    share, the version is sealed and committed (the default policy: no receivers awaited).
-    Returns the decision."""
+    """One version old -> new through the sender path over whole tensors (chunks, parts,
+    manifests, seal and joint commit as the Publisher writes them; no Megatron placement):
+    `world` TensorSenders write their share, the version is sealed and committed (the default
+    policy: no receivers awaited). Returns the decision."""
     for r in range(world):
         s = TensorSender(old, r, world)
         for n in s.tensors:

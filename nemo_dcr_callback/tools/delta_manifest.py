@@ -18,7 +18,12 @@ from nemo_dcr_callback.codec.checkpoint import TensorEntry
 
 VERSION = 2
 HEAD_BYTES = 8  # the file header before the first chunk
-MAX_MANIFEST = 1 << 30
+MAX_MANIFEST = 64 << 20  # stored (compressed) manifest bytes, at most
+# The JSON a manifest may inflate to: at most this, and at most EXPANSION times its stored
+# size (plus 1 MiB). Honest manifests compress 5-20x at level 19; a crafted frame can claim
+# anything, and python-zstandard allocates what a frame declares whatever max_output_size says.
+MAX_MANIFEST_JSON = 64 << 20
+EXPANSION = 256
 _MZ = zstandard.ZstdCompressor(level=19)  # the manifest is small: the strongest level costs little
 
 
@@ -38,7 +43,22 @@ def _safe_name(p) -> str:
 def load_manifest(mbytes: bytes) -> dict:
     """The manifest object from its stored bytes (zstd, bounded), its format and version checked."""
     try:
-        raw = zstandard.ZstdDecompressor().decompress(mbytes, max_output_size=MAX_MANIFEST)
+        declared = zstandard.frame_content_size(mbytes)
+    except zstandard.ZstdError:
+        declared = -2
+    limit = min(MAX_MANIFEST_JSON, EXPANSION * len(mbytes) + (1 << 20))
+    if declared > limit:
+        raise DeltaError(f"manifest declares {declared} bytes of JSON, more than this delta may hold ({limit}): "
+                         "refused (corrupt or crafted delta)")
+    if declared == -1:  # the writer always records the size; without it the allocation is unbounded
+        raise DeltaError("manifest frame does not declare its size: refused (corrupt or crafted delta)")
+    try:
+        d = zstandard.ZstdDecompressor().decompressobj()
+        raw = d.decompress(mbytes)
+        # One frame and nothing after it: bytes past the frame are not the manifest (a reader
+        # that ignored them let a footer point at a manifest hidden at the start of a blob).
+        if not d.eof or d.unused_data:
+            raise DeltaError("manifest has data after its zstd frame, or its frame is cut (corrupt delta)")
     except zstandard.ZstdError:
         if mbytes[:1] == b"{":
             raise DeltaError("delta format version 1 (an uncompressed manifest): this build reads version "
@@ -46,8 +66,8 @@ def load_manifest(mbytes: bytes) -> dict:
         raise DeltaError("manifest does not decompress (corrupt delta)") from None
     try:
         m = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise DeltaError("manifest is not JSON") from None
+    except (ValueError, RecursionError):  # (not JSON, a 5,000-digit number, deep nesting)
+        raise DeltaError("manifest is not JSON, or not JSON this reader takes") from None
     if not isinstance(m, dict) or m.get("format") != "nemo-dcr-delta" or m.get("version") != VERSION:
         raise DeltaError(f"unsupported manifest (version {m.get('version') if isinstance(m, dict) else None!r}, "
                          f"this build reads {VERSION})")

@@ -44,7 +44,12 @@ from nemo_dcr_callback.tools.delta_manifest import (
 
 MAGIC = b"DCRD"
 END_MAGIC = b"DCRDEND\x00"
-SIGNED_MAGIC = b"DCRDSIG\x00"  # the footer of a signed file: an HMAC-SHA256 sits before it
+# The footer of a signed file: an HMAC-SHA256 sits before it, over every byte before it and
+# then the footer itself (so the manifest's offset and length are signed too). "DCRDSIG\0"
+# files signed only the bytes before the MAC: a footer re-pointed at a manifest hidden in a
+# copied file passed; they are refused by name.
+SIGNED_MAGIC = b"DCRDSG2\x00"
+OLD_SIGNED_MAGIC = b"DCRDSIG\x00"
 SIG_BYTES = 32
 MIN_KEY_BYTES = 16
 BATCH_CHANGES = 4096  # a tensor with fewer changes than this goes into a batched chunk
@@ -168,10 +173,12 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
             mbytes = dump_manifest(manifest)
             moff = f.tell()
             f.write(mbytes)
+            footer = _FOOT.pack(moff, len(mbytes), xxhash.xxh3_64_intdigest(mbytes),
+                                END_MAGIC if key is None else SIGNED_MAGIC)
             if f.mac is not None:
+                f.mac.update(footer)  # the footer is signed too: it says where the manifest is
                 raw.write(f.mac.digest())
-            raw.write(_FOOT.pack(moff, len(mbytes), xxhash.xxh3_64_intdigest(mbytes),
-                                 END_MAGIC if key is None else SIGNED_MAGIC))
+            raw.write(footer)
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, out_path)
@@ -290,7 +297,11 @@ class DeltaFile:
         if ver != VERSION:
             raise DeltaError(f"{self.path}: delta format version {ver}, this build reads {VERSION}")
         self._f.seek(size - _FOOT.size)
-        moff, mlen, msum, end = _FOOT.unpack(self._f.read(_FOOT.size))
+        footer = self._f.read(_FOOT.size)
+        moff, mlen, msum, end = _FOOT.unpack(footer)
+        if end == OLD_SIGNED_MAGIC:
+            raise DeltaError(f"{self.path}: signed with the old scheme, whose signature did not cover the footer: "
+                             "refused; make the delta again with this build")
         if end not in (END_MAGIC, SIGNED_MAGIC):
             raise DeltaError(f"{self.path}: truncated delta file (no footer)")
         self.signed = end == SIGNED_MAGIC
@@ -298,7 +309,7 @@ class DeltaFile:
         if mlen > MAX_MANIFEST or moff + mlen + sig != size - _FOOT.size or moff < _HEAD.size:
             raise DeltaError(f"{self.path}: corrupt footer")
         if key is not None:
-            self._check_signature(key, moff + mlen)
+            self._check_signature(key, moff + mlen, footer)
         self._f.seek(moff)
         mbytes = self._f.read(mlen)
         if xxhash.xxh3_64_intdigest(mbytes) != msum:
@@ -319,7 +330,8 @@ class DeltaFile:
         except DeltaError as exc:
             raise DeltaError(f"{self.path}: {exc}") from None
 
-    def _check_signature(self, key: bytes, signed_end: int) -> None:
+    def _check_signature(self, key: bytes, signed_end: int, footer: bytes) -> None:
+        """The MAC over [0, signed_end) and then the footer, before anything else is believed."""
         if not self.signed:
             raise DeltaError(f"{self.path}: not signed, and a signed delta is required: refused")
         mac = hmac.new(key, digestmod=hashlib.sha256)
@@ -331,6 +343,7 @@ class DeltaFile:
                 raise DeltaError(f"{self.path}: truncated delta file")
             mac.update(block)
             left -= len(block)
+        mac.update(footer)
         if not hmac.compare_digest(mac.digest(), self._f.read(SIG_BYTES)):
             raise DeltaError(f"{self.path}: signature does not match (altered after signing, or another key): "
                              "refused")

@@ -52,7 +52,7 @@ def _cpu_report() -> dict:
 
 
 def _cuda_report(gpu: bool) -> dict:
-    from nemo_dcr_callback.core import cuda_kernels
+    from nemo_dcr_callback.core import cuda_kernels  # start-up cost: loads torch; doctor is on the CLI's path
 
     path = cuda_kernels.library_path()
     out = {"library": str(path), "from_env": bool(os.environ.get("NEMO_DCR_CUDA_LIB")), "present": path.exists(),
@@ -70,7 +70,7 @@ def _cuda_report(gpu: bool) -> dict:
 
 def report() -> dict:
     """What this install runs: versions, the CPU and CUDA libraries, the active CPU path, the GPU."""
-    import torch
+    import torch  # start-up cost: this module is on every CLI call's path (the parser)
 
     gpu = torch.cuda.is_available()
     script = build_script()

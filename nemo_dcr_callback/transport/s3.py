@@ -20,25 +20,22 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import parse_qs, urlparse
+
+import boto3
+import botocore
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
 
 from nemo_dcr_callback.protocol.keys import is_committed
 from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
+from nemo_dcr_callback.transport.sigv4 import SigV4Client
 
 # After a plain signed request got no answer or a server error (and boto3 then succeeded),
 # boto3 alone for this long: a TLS setup or proxy the plain client cannot use must not cost
 # a failed attempt on every call.
 FAST_BACKOFF_S = 30.0
-
-
-def _botocore():
-    try:
-        import boto3
-        import botocore
-        from botocore.config import Config
-    except ImportError as e:  # pragma: no cover - boto3 is a dependency
-        raise StoreError("s3:// stores need boto3 (pip install boto3)") from e
-    return boto3, botocore, Config
 
 
 class S3Store:
@@ -49,7 +46,6 @@ class S3Store:
                  access_key: str | None = None, secret_key: str | None = None,
                  max_attempts: int = 5, connect_timeout: float = 5.0, read_timeout: float = 60.0,
                  multipart_bytes: int = 64 << 20, concurrency: int = 8, fast: bool = True):
-        boto3, botocore, Config = _botocore()
         u = urlparse(url)
         if u.scheme != "s3" or not u.netloc:
             raise StoreError(f"not an s3://bucket/prefix URL: {redact(url)!r}")
@@ -86,8 +82,6 @@ class S3Store:
         self.fast = None
         self._fast_off_until = 0.0
         if fast and self.endpoint_url:
-            from nemo_dcr_callback.transport.sigv4 import SigV4Client
-
             def creds():
                 c = session.get_credentials()
                 if c is None:
@@ -158,8 +152,6 @@ class S3Store:
                 return put_once(self, key, data)  # (compares: same bytes stand, others are refused)
         try:
             if len(data) > self.multipart_bytes:
-                from boto3.s3.transfer import TransferConfig
-
                 tc = TransferConfig(multipart_threshold=self.multipart_bytes, multipart_chunksize=self.multipart_bytes,
                                     max_concurrency=self.concurrency, use_threads=True)
                 self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=tc,
@@ -182,8 +174,6 @@ class S3Store:
         """A shared thread pool for concurrent requests."""
         with self._pool_lock:
             if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="nemo-dcr-s3")
             return self._pool
 
@@ -255,8 +245,6 @@ class S3Store:
         self._read(key, consume)
 
     def _read(self, key: str, consume):
-        import time
-
         e = self._errors
         broken = (e.IncompleteReadError, e.ResponseStreamingError, e.FlexibleChecksumError, e.ReadTimeoutError,
                   e.ConnectionClosedError)

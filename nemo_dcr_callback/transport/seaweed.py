@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from nemo_dcr_callback.protocol.store import StoreError
+from nemo_dcr_callback.transport.s3 import S3Store
 
 # weed mini's listeners, as offsets from a base port (grpc ports explicit too).
 _PORTS = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
@@ -43,8 +45,6 @@ def weed_binary() -> str:
 def _free_base(n: int, lo: int = 20000, hi: int = 29000) -> int:
     """A base port with n consecutive free ports (and their +10000 neighbours, which weed's
     workers dial)."""
-    import random
-
     for _ in range(200):
         base = random.randrange(lo, hi)
         ok = True
@@ -119,8 +119,6 @@ class SeaweedS3:
 
     def store(self, prefix: str = ""):
         """An S3Store on this server with its credentials (no environment needed)."""
-        from nemo_dcr_callback.transport.s3 import S3Store
-
         return S3Store(self.url(f"{self.bucket}/{prefix}".rstrip("/")), access_key=self.access_key,
                        secret_key=self.secret_key)
 

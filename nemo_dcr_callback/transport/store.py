@@ -7,13 +7,16 @@ the conditional write the commit protocol relies on (exactly one writer wins).
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
 from nemo_dcr_callback.protocol import keys
 from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
+from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 
 
 class FileStore:
@@ -97,8 +100,6 @@ class FileStore:
 
     def delete_prefix(self, prefix: str) -> list[str]:
         """Delete every object under prefix, and the emptied directories."""
-        import shutil
-
         keys = self.list(prefix)
         p = self._path(prefix.rstrip("/"))
         if p.is_symlink():  # the store's entry goes, never what it points at
@@ -129,8 +130,6 @@ def freeze_long_lived() -> None:
     boto3's service model, about 220K tracked objects, and each full collection scanned them
     all: about 120 ms of CPU, in a relay once every few versions (its busiest version then
     took twice the CPU) and in every receiver. The objects stay alive as they would anyway."""
-    import gc
-
     gc.collect()
     gc.freeze()
 
@@ -140,19 +139,15 @@ def open_store(url: str):
     s3://bucket/prefix[?endpoint=http://host:port&region=...], relay://host:port (a relay
     node, transport.relay), or a comma-separated failover chain of these (nearest first)."""
     if "," in url:
-        from nemo_dcr_callback.transport.relay_store import FailoverStore
-
         return FailoverStore([open_store(u.strip()) for u in url.split(",") if u.strip()])
     u = urlparse(url)
     if u.scheme in ("", "file"):
         path = (u.netloc + u.path) if u.scheme == "file" else url
         return FileStore(path)
     if u.scheme == "s3":
-        from nemo_dcr_callback.transport.s3 import S3Store
+        from nemo_dcr_callback.transport.s3 import S3Store  # start-up cost: boto3 (~130 ms), only for s3://
 
         return S3Store(url)
     if u.scheme in ("relay", "relays"):
-        from nemo_dcr_callback.transport.relay_store import RelayStore
-
         return RelayStore(url)
     raise StoreError(f"unsupported store URL scheme {u.scheme!r} in {redact(url)!r} (use file://, s3:// or relay://)")

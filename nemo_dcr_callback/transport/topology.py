@@ -18,9 +18,16 @@ when a relay dies (transport.relay_store.FailoverStore).
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
+
+import yaml
+
+from nemo_dcr_callback.protocol.store import StoreError
+from nemo_dcr_callback.transport.relay_store import RelayStore
 
 ORIGIN = "origin"
 
@@ -60,8 +67,6 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> Topology:
-        import yaml
-
         return cls.from_dict(yaml.safe_load(Path(path).read_text()))
 
     def chain(self, name: str) -> list[str]:
@@ -86,12 +91,6 @@ class Topology:
     def nearest(self, probes: int = 3) -> str:
         """The relay answering /health fastest from here (median of `probes`): receivers attach
         to it with `--attach auto`. Unreachable relays are skipped."""
-        import statistics
-        import time
-
-        from nemo_dcr_callback.protocol.store import StoreError
-        from nemo_dcr_callback.transport.relay_store import RelayStore
-
         best: tuple[float, str] | None = None
         for name, node in self.nodes.items():
             rs = RelayStore(node.url, timeout=2.0)

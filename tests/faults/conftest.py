@@ -24,7 +24,7 @@ def seaweed(tmp_path_factory):
 
 @pytest.fixture
 def proxy(seaweed):
-    from faults.faultproxy import FaultProxy
+    from tests.faults.faultproxy import FaultProxy
 
     with FaultProxy(seaweed.endpoint) as p:
         yield p

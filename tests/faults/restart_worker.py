@@ -1,4 +1,4 @@
-"""torchrun worker for the sender-restart fault (tests/faults/test_faults.py): real training,
+"""torchrun worker for the sender-restart fault (tests/faults/test_process_faults.py): real training,
 TP 2 on CPU (gloo), the Publisher on a store a receiver follows.
 
   first  DIR URL   steps 1-3, a weights checkpoint after step 1; versions 1 and 2 commit, and

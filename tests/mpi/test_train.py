@@ -2,7 +2,8 @@
 mpirun, TP 2 x PP 2 over 4 ranks. The launcher helper turns OpenMPI's variables into the
 rendezvous; with dcr.verify every version is checked in-process against the dense export
 (gather, convert), and afterwards rank 0 rebuilds every committed version from the store
-(keyframe + deltas) and compares it bit for bit with that version's dense export."""
+(keyframe + deltas) and compares it bit for bit with that version's dense export; every
+version's record must count changed elements (frozen weights would be bit-exact too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import socket
 
 import pytest
 import torch
+
+from tests.helpers import training
 
 TINY = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.vocab_size=256", "model.seq_length=16"]
@@ -51,6 +54,9 @@ def test_tp2_pp2_training_under_mpirun_is_bit_exact(comm, shared_dir):
     committed = [v for v in commit.list_versions(store)
                  if (commit.read_decision(store, v) or {}).get("decision") == "commit"]
     assert committed == list(range(1, STEPS + 1)), committed
+    # bit-exact alone would pass with frozen weights: every version changed elements
+    moved = training.changed(store, committed)
+    assert all(c > 0 for c in moved.values()), moved
     for v in committed:
         rebuilt = reconstruct(store, v)
         dense = load(store.get(commit.verify_key(v)))

@@ -12,6 +12,7 @@ import torch
 
 from nemo_dcr_callback import codec, faults
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec.checkpoint import Checkpoint
 from nemo_dcr_callback.core.rawbits import OP_OVERWRITE
 from nemo_dcr_callback.receiver.journal import Journal
 
@@ -28,8 +29,6 @@ class CheckpointDirTarget:
     """
 
     def __init__(self, path):
-        from nemo_dcr_callback.codec.checkpoint import Checkpoint
-
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"model directory {self.path} does not exist (or is not a directory)")

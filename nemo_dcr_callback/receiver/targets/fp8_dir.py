@@ -19,13 +19,16 @@ weights, and the figures are in docs/FP8.md.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec.checkpoint import Checkpoint, SafetensorsFile
 from nemo_dcr_callback.core import fp8
 from nemo_dcr_callback.receiver.targets.checkpoint_dir import CheckpointDirTarget
 
@@ -60,10 +63,6 @@ def is_quantized(name: str, t: torch.Tensor) -> bool:
 def convert(src, out, recipe: str = "vllm", version: int = 0) -> dict:
     """Write the block-FP8 checkpoint of BF16 checkpoint `src` into directory `out` (with the
     BF16 shadow of its quantized weights, at `version`). Returns {quantized, params}."""
-    from safetensors.torch import save_file
-
-    from nemo_dcr_callback.codec.checkpoint import Checkpoint
-
     if recipe not in fp8.RECIPES:
         raise ValueError(f"FP8 recipe must be one of {', '.join(fp8.RECIPES)}, not {recipe!r}")
     ck = Checkpoint(src)
@@ -109,10 +108,6 @@ class Fp8DirTarget(CheckpointDirTarget):
     def _open_shadow(self) -> None:
         if self._shadow is not None:
             return
-        import mmap
-
-        from nemo_dcr_callback.codec.checkpoint import SafetensorsFile
-
         meta = json.loads((self.meta / META).read_text())
         self.recipe = meta["recipe"]
         self._shadow = SafetensorsFile(self.meta / SHADOW)

@@ -56,7 +56,7 @@ def __getattr__(name: str):
     # loaded on first use: transport.relay_store imports wire.py, and so this package, and a
     # receiver using it must not pay for (or need) the aiohttp server
     if name in _SERVER:
-        from nemo_dcr_callback.transport.relay import node
+        from nemo_dcr_callback.transport.relay import node  # start-up cost: aiohttp's server, see above
 
         return getattr(node, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import resource
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -20,6 +23,7 @@ from nemo_dcr_callback.transport.relay.config import RelayConfig
 from nemo_dcr_callback.transport.relay.handlers import HttpSide, UploadBudget
 from nemo_dcr_callback.transport.relay.watcher import Watcher
 from nemo_dcr_callback.transport.relay.wire import TOKEN_ENV
+from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
 class Relay(HttpSide, StoreSide):
@@ -81,8 +85,6 @@ class Relay(HttpSide, StoreSide):
     async def start(self) -> None:
         ssl_ctx = None
         if self.cfg.tls_cert:
-            import ssl
-
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
         # keepalive_timeout also bounds a connection that never completes its first request
@@ -121,8 +123,6 @@ def _connection_room(want: int) -> tuple[int, int]:
     accept batch (connections refused in a batch still hold their descriptors until the loop
     closes them), is the cap. With a cap above the limit a flood ended in failed accepts,
     "Too many open files"."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = want + FD_RESERVE + ACCEPT_BATCH
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -197,8 +197,6 @@ def _limit_connections(server, cfg: RelayConfig, stats: dict, max_connections: i
 
 def serve(parent_url: str, cfg: RelayConfig, ready=None) -> None:
     """Run a relay until SIGINT/SIGTERM; prints one line with its address when it listens."""
-    from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
-
     parent = open_store(parent_url)
     relay = Relay(parent, cfg)
     freeze_long_lived()
@@ -229,8 +227,6 @@ def _redact(url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:  # python -m nemo_dcr_callback.transport.relay PARENT
-    import argparse
-
     ap = argparse.ArgumentParser()
     ap.add_argument("parent")
     ap.add_argument("--port", type=int, default=0)

@@ -56,7 +56,8 @@ class Watcher:
         r._upstream_news = False
         self.listed_at = time.monotonic()
         try:
-            versions = [v for v in await r.listing("children", keys.VERSIONS, fresh=True) if v.isdigit()]
+            listed = await r.listing("children", keys.VERSIONS, fresh=True)
+            versions = [v for v in listed if keys.version_of(v) is not None]
             for v in versions[-FOLLOWED_VERSIONS:]:
                 await self._list_version(v)
             r.watch_alive = time.monotonic()

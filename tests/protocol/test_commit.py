@@ -1,0 +1,143 @@
+"""The joint commit (protocol/commit.py) on a real file:// store: sealing waits for every
+rank's manifest and sums and sums the ranks' slice digests into whole-tensor digests; the
+committer reads the last missing acks by name and looks less and less often for a quiet
+receiver; ranks off the refit path look for the decision less and less often."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from nemo_dcr_callback.protocol import commit, upload
+from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers import versions
+from tests.helpers.stores import CountingStore
+
+
+def test_seal_waits_for_every_rank(tmp_path):
+    store = FileStore(tmp_path)
+    upload.write_rank(store, 1, 0, 0, 2, [], 0, 0)
+    with pytest.raises(TimeoutError, match="rank-00001"):
+        commit.seal_version(store, 1, 0, 2, timeout=0.2)
+    upload.write_rank(store, 1, 0, 1, 2, [], 0, 0)
+    rec = commit.seal_version(store, 1, 0, 2, timeout=1)
+    assert rec["ranks"] == [commit.rank_manifest(1, 0), commit.rank_manifest(1, 1)]
+    assert json.loads(store.get(commit.version_record(1)))["base"] == 0
+
+
+def test_record_digests_are_whole_tensor_digests(tmp_path):
+    """The per-rank slice digests sum to the digest of each whole tensor (the oracle: the
+    digest computed from the new tensors directly)."""
+    from nemo_dcr_callback.codec import digest
+
+    store = FileStore(tmp_path)
+    states = versions.chain(store, steps=2)
+    rec = commit.read_record(store, 2)
+    assert rec["digests"] == {k: digest.hexd(digest.sum64(t)) for k, t in sorted(states[2].items())}
+    # Receivers download every rank manifest: the slice digests stay out of it (sealer only).
+    for key in rec["ranks"]:
+        assert "digests" not in json.loads(store.get(key))
+    assert set(json.loads(store.get(commit.rank_sums(2, 0)))["digests"]) <= set(rec["digests"])
+
+
+def test_seal_refuses_a_rank_without_its_sums(tmp_path):
+    """A manifest whose sums object is missing (a writer that died between the two, or a
+    foreign writer) cannot be sealed into a record with wrong digests."""
+    store = FileStore(tmp_path)
+    upload.RankWriter(store, 1, 0, 0, 1).finish(0, 0, {"w": 5})
+    (tmp_path / commit.rank_sums(1, 0)).unlink()
+    with pytest.raises(RuntimeError, match="sums-00000.json: missing"):
+        commit.seal_version(store, 1, 0, 1, timeout=1)
+    assert not store.exists(commit.version_record(1))
+
+
+def test_commit_reads_the_last_missing_acks_by_name(tmp_path):
+    """With a few acks missing the committer reads them by name (one round trip on the refit's
+    path), not a listing then a read; with more missing it lists."""
+    store = CountingStore(tmp_path)
+    for r in ("a", "b", "c"):
+        commit.register(store, r, 0)
+    commit.write_ack(store, 1, "a", 0)
+    store.calls.clear()
+    seen: dict = {}
+    acks = commit.read_acks(store, 1, seen, expected=["a", "b", "c"])  # three missing: a listing
+    assert set(acks) == {"a"} and ("children", "versions/0000000001/acks") in store.calls
+    store.calls.clear()
+    commit.write_ack(store, 1, "b", 0)
+    acks = commit.read_acks(store, 1, seen, expected=["a", "b", "c"])  # two missing: by name
+    assert set(acks) == {"a", "b"} and [c[0] for c in store.calls] == ["get", "get"]
+    commit.write_ack(store, 1, "c", 0, ok=False, error="bad chunk")
+    rec = {"version": 1, "base": 0}
+    d = commit.run_commit(store, rec, commit.CommitPolicy("wait", timeout=5), expected=["a", "b", "c"])
+    assert d["decision"] == "abort" and "bad chunk" in d["reason"]  # a refusal read by name still counts
+
+
+def test_a_committer_waiting_for_a_quiet_receiver_looks_less_and_less_often(tmp_path, monkeypatch):
+    """On a polled store the committer's pause grows with the time since the last new ack,
+    after ACK_FAST_S (here 0.5 s; 2 s by default): a receiver that acks 3 s late is still seen
+    within a few % of that, and the committer asked the store for it ~100 times, not ~300
+    (every 10 ms; on S3 with a dead registered receiver that was ~6,000 requests per version
+    over the 60 s timeout)."""
+    monkeypatch.setattr(commit, "ACK_FAST_S", 0.5)
+    store = CountingStore(tmp_path)
+    for r in ("a", "b"):
+        commit.register(store, r, 0)
+    commit.write_ack(store, 1, "a", 0)
+    store.calls.clear()
+    acked_at = []
+
+    def late():
+        time.sleep(3.0)
+        acked_at.append(time.monotonic())
+        commit.write_ack(store, 1, "b", 0)
+
+    th = threading.Thread(target=late)
+    th.start()
+    d = commit.run_commit(store, {"version": 1, "base": 0}, commit.CommitPolicy("wait", timeout=20),
+                          expected=["a", "b"])
+    decided_at = time.monotonic()
+    th.join()
+    assert d["decision"] == "commit" and d["acked"] == ["a", "b"]
+    assert decided_at - acked_at[0] < 0.5  # the pause 3 s after the last ack: 0.135 s
+    looks = [c for c in store.calls if c[0] in ("get", "children") and "acks" in c[1]]
+    assert 10 < len(looks) <= 170, len(looks)
+    assert commit.ack_pause(0.01, 0.4) == 0.01 and commit.ack_pause(0.01, 600.0) == commit.ACK_POLL_MAX_S
+
+
+def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_path):
+    """Ranks other than 0 only drop or undo their undo log on a version's decision, and on S3
+    each look is a GET from every rank of the job: the pause doubles from 50 ms up to 1 s
+    (publisher.DECISION_MAX_POLL_S) instead of 20 looks a second throughout. The decision is
+    still found, at most a pause after it is written."""
+    import time
+
+    from nemo_dcr_callback.sender.publisher import DECISION_MAX_POLL_S, DECISION_POLL_S
+
+    class Reads:  # the real store, its reads of the decision counted
+        def __init__(self, store):
+            self.store, self.n = store, 0
+
+        def get(self, key):
+            if key == commit.decision_key(1):
+                self.n += 1
+            return self.store.get(key)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    store = Reads(FileStore(tmp_path))
+    written = []
+
+    def decide():
+        commit.decide(store.store, 1, 0, "commit", ["rx"], [], "")
+        written.append(time.monotonic())
+
+    threading.Timer(1.6, decide).start()
+    d = commit.await_decision(store, 1, 30, poll=DECISION_POLL_S, max_poll=DECISION_MAX_POLL_S)
+    lag = time.monotonic() - written[0]
+    assert d["decision"] == "commit"
+    assert 3 <= store.n <= 8, store.n  # 0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55 s; at 50 ms it was 33
+    assert lag <= DECISION_MAX_POLL_S + 0.5, lag
