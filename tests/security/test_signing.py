@@ -90,3 +90,50 @@ def test_patch_with_a_key_refuses_what_that_key_did_not_sign(signed, tmp_path, h
     p = run("patch", GOLDEN / "old", delta, "-o", tmp_path / "out", "--verify-key-env", "DCR_KEY", key=key)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert tree(tmp_path) == before  # nothing written
+
+
+def test_a_footer_re_pointed_at_a_hidden_manifest_is_refused(tmp_path):
+    """Issue 46, finding 1. NEW's non-tensor files are copied verbatim into the delta, so
+    whoever supplies one can hide a zstd manifest in it; re-pointing the footer at it, with the
+    manifest's end unchanged, left the bytes the MAC covered as they were, and the manifest
+    reader ignored the real manifest trailing after the hidden frame: `patch` said "signature
+    verified". The MAC now covers the footer, and a manifest with data after its frame is
+    refused, with or without a key. Nothing is written either way."""
+    import shutil
+
+    from nemo_dcr_callback.tools.deltafile import dump_manifest, load_manifest
+
+    honest = tmp_path / "honest.dcr"
+    assert run("diff", GOLDEN / "old", GOLDEN / "new", "-o", honest, "--sign-key-env", "DCR_KEY", "-q").returncode == 0
+    data = honest.read_bytes()
+    moff, mlen, _, _ = _FOOT.unpack(data[-_FOOT.size:])
+    hidden = dump_manifest(load_manifest(data[moff:moff + mlen]))  # a manifest these chunks satisfy
+    new = tmp_path / "new"
+    shutil.copytree(GOLDEN / "new", new)
+    (new / "notes.bin").write_bytes(hidden)  # an innocent-looking file of NEW's folder
+    carrier = tmp_path / "carrier.dcr"
+    assert run("diff", GOLDEN / "old", new, "-o", carrier, "--sign-key-env", "DCR_KEY", "-q").returncode == 0
+    data = carrier.read_bytes()
+    moff, mlen, _, end = _FOOT.unpack(data[-_FOOT.size:])
+    blob = data.find(hidden)
+    assert 0 < blob < moff
+    forged = tmp_path / "forged.dcr"
+    region = data[blob:moff + mlen]
+    forged.write_bytes(data[:-_FOOT.size] + _FOOT.pack(blob, len(region), xxhash.xxh3_64_intdigest(region), end))
+    before = tree(tmp_path)
+    for key, says in ((KEY, "signature does not match"), (None, "data after its zstd frame")):
+        args = ["--verify-key-env", "DCR_KEY"] if key else []
+        p = run("patch", GOLDEN / "old", forged, "-o", tmp_path / "out", *args, key=key)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stdout + p.stderr
+        assert tree(tmp_path) == before
+
+
+def test_a_delta_signed_with_the_old_scheme_is_refused_by_name(signed, tmp_path):
+    """Deltas signed before the footer was covered ("DCRDSIG\\0") are refused, saying why."""
+    data = signed.read_bytes()
+    old = tmp_path / "old-scheme.dcr"
+    old.write_bytes(data[:-8] + b"DCRDSIG\x00")
+    for args in (["--verify-key-env", "DCR_KEY"], []):
+        p = run("patch", GOLDEN / "old", old, "-o", tmp_path / "out", *args)
+        assert p.returncode == 2 and "old scheme" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()

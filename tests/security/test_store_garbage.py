@@ -21,7 +21,14 @@ from nemo_dcr_callback.transport.store import FileStore
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).parent / "nemo-dcr")
 JUNK = {"garbage.json": b"garbage", "empty.json": b"{}", "badtime.json": b'{"receiver":"x","version":1,"time":"soon"}',
-        "list.json": b"[1, 2]", "boolversion.json": b'{"receiver":"y","version":true,"time":1.0}'}
+        "list.json": b"[1, 2]", "boolversion.json": b'{"receiver":"y","version":true,"time":1.0}',
+        # issue 46, finding 2: Python's json raises a plain ValueError past 4,300 digits and a
+        # RecursionError on deep nesting; each stopped the training commit, status and gc
+        "bigint.json": b'{"receiver":"b","version":' + b"9" * 5000 + b',"time":1.0}',
+        "deep.json": b"[" * 200_000 + b"]" * 200_000,
+        "huge.json": b'{"receiver":"' + b"h" * (1 << 20) + b'","version":1,"time":1.0}',
+        "inftime.json": b'{"receiver":"i","version":1,"time":1e999}',  # live for ever: gc kept everything
+        "negversion.json": b'{"receiver":"n","version":-5,"time":1.0}'}
 
 
 def plant_junk(store: FileStore) -> None:
@@ -44,9 +51,38 @@ def test_junk_acks_are_skipped(tmp_path):
     store = FileStore(tmp_path)
     store.put("versions/0000000001/acks/evil.json", b"not json")
     store.put("versions/0000000001/acks/half.json", b'{"receiver":"h"}')
+    store.put("versions/0000000001/acks/deep.json", b"[" * 200_000)
+    store.put("versions/0000000001/acks/bigint.json", b'{"version":' + b"1" * 5000 + b"}")
     commit.write_ack(store, 1, "good", 0)
     assert list(commit.read_acks(store, 1)) == ["good"]
     assert list(commit.read_acks(store, 1, expected=["good", "evil"])) == ["good"]
+    assert list(commit.read_acks(store, 1, expected=["good", "deep", "bigint"])) == ["good"]
+
+
+def test_a_junk_ack_named_by_a_relay_does_not_stop_the_commit(tmp_path):
+    """The committer reads acks a relay's long-poll names without listing: those went
+    unchecked, and a junk one raised in the commit (issue 46, finding 2)."""
+    from nemo_dcr_callback.config import CommitPolicy
+    from nemo_dcr_callback.protocol.upload import write_rank
+
+    class Named(FileStore):
+        """A relay's news feed, played by a file store (no relay can be made to name a key
+        without serving it): the acks arrive during the first wait, and its answer names them."""
+
+        long_polls = True
+
+        def wait_keys(self, token, limit, data_only=False):
+            if token == 0:
+                self.put("versions/0000000001/acks/evil.json", b"[" * 200_000)
+                commit.write_ack(self, 1, "good", 0)
+            return token + 1, self.list("versions/0000000001/acks")
+
+    store = Named(tmp_path)
+    commit.register(store, "good", 0)
+    write_rank(store, 1, 0, 0, 1, [], 0, 0)
+    rec = commit.seal_version(store, 1, 0, 1)
+    d = commit.run_commit(store, rec, CommitPolicy("wait", timeout=10))
+    assert d["decision"] == "commit" and d["acked"] == ["good"]
 
 
 @pytest.mark.parametrize("key,body,says,tools", [
