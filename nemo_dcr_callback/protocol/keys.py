@@ -145,9 +145,11 @@ def is_mutable(key: str) -> bool:
     return key.startswith(f"{RECEIVERS}/") or is_ack(key)
 
 
-def is_committed(key: str) -> bool:
-    """Objects that make a version's history (parts, manifests, records, decisions, keyframes):
-    written once and never replaced (acks, under a version's folder, are the receivers')."""
+def is_history(key: str) -> bool:
+    """Objects of the store's history (parts, manifests, records, decisions, keyframes), of
+    every version whatever its decision: written once and never replaced (acks, under a
+    version's folder, are the receivers'). Not "committed": that word means only the joint
+    commit's decision."""
     return (key.startswith(f"{VERSIONS}/") or key.startswith(f"{KEYFRAMES}/")) and not is_ack(key)
 
 

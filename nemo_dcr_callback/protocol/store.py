@@ -2,7 +2,7 @@
 
 The implementations live in transport/ (file://, s3://, relay://); this module is what both
 sides of the protocol share with them: the errors a store raises, the create-only write of a
-committed object, and how a poller waits for news. A store object has `url`, `put(key, data,
+history object (protocol.keys.is_history), and how a poller waits for news. A store object has `url`, `put(key, data,
 durable=True)`, `put_if_absent`, `get` (KeyError if absent), `exists`, `list`, `children`,
 `delete`, `delete_prefix`; optionally `executor()` (a thread pool for concurrent requests),
 `get_pieces` (a streamed get), and, on a relay, `long_polls`, `wait` and `wait_keys`.
@@ -29,12 +29,12 @@ class StoreError(OSError):
 
 
 class ImmutableError(StoreError):
-    """A committed object (protocol.keys.is_committed) exists with other bytes: history is
+    """A history object (protocol.keys.is_history) exists with other bytes: history is
     create-only on every backend, so it is not replaced."""
 
 
 def put_once(store, key: str, data: bytes, **kw) -> None:
-    """Create a committed object; the same bytes again (a retry) stand, others are refused."""
+    """Create a history object; the same bytes again (a retry) stand, others are refused."""
     if store.put_if_absent(key, data, **kw):
         return
     try:
@@ -42,7 +42,7 @@ def put_once(store, key: str, data: bytes, **kw) -> None:
     except KeyError:  # deleted since (gc): write it again
         return put_once(store, key, data, **kw)
     if not same:
-        raise ImmutableError(f"{key} is committed and immutable in {redact(store.url)}: it exists with "
+        raise ImmutableError(f"{key} is history and immutable in {redact(store.url)}: it exists with "
                              f"other bytes, not replaced")
 
 

@@ -28,7 +28,7 @@ import botocore
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from nemo_dcr_callback.protocol.keys import is_committed
+from nemo_dcr_callback.protocol.keys import is_history
 from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
 from nemo_dcr_callback.transport.sigv4 import SigV4Client
 
@@ -141,11 +141,11 @@ class S3Store:
             raise self._fail("head bucket", "", exc) from None
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
-        """Atomic, checksummed put (S3 objects are durable once acknowledged). Committed objects
+        """Atomic, checksummed put (S3 objects are durable once acknowledged). History objects
         are created once: a conditional PUT (If-None-Match), and above the multipart size, where
         not every S3 server takes a conditional complete, a check for the object first (a race
         of two publishers on one large part is then not caught: there is one publisher)."""
-        if is_committed(key):
+        if is_history(key):
             if len(data) <= self.multipart_bytes:
                 return put_once(self, key, data)
             if self.exists(key):

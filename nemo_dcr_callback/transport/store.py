@@ -58,8 +58,8 @@ class FileStore:
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
         """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not).
-        Committed objects are created once (put_once)."""
-        if keys.is_committed(key):
+        History objects (keys.is_history) are created once (put_once)."""
+        if keys.is_history(key):
             return put_once(self, key, data, durable=durable)
         p, tmp = self._staged(key, data, durable)
         try:

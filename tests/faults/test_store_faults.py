@@ -98,7 +98,7 @@ def test_store_down_aborts_and_restores_then_recovers(stores, proxy, table):
 
 # ------------------------------------------------------------------ chunks damaged in the store
 def _tamper(direct, v, how):
-    """Damage at rest (bit rot, a broken copy): committed objects are create-only through the
+    """Damage at rest (bit rot, a broken copy): history objects are create-only through the
     store's API, so each damaged object is deleted and written anew."""
     parts = sorted(k for k in direct.list(commit.vdir(v)) if k.endswith(".dcr"))
     a, b = parts[0], parts[1]

@@ -92,14 +92,20 @@ def test_moe_refit_bit_exact_matrix(nproc, args):
     _run(nproc, [*args, "--lr", "1e-3"])
 
 
-LOGITS = [(2, ["--tp", "2"]), (4, ["--tp", "2", "--pp", "2", "--tie"]), (4, ["--tp", "4", "--groups", "4"]),
-          (2, ["--tp", "1", "--pp", "2", "--groups", "1"]),
-          (4, ["--family", "qwen3_moe", "--experts", "4", "--tp", "2", "--ep", "2"]),
-          (2, ["--family", "mixtral", "--experts", "8", "--tp", "1", "--ep", "2"]),
-          (4, ["--family", "deepseek_v3", "--experts", "4", "--tp", "2", "--ep", "2"])]
+# make test keeps one dense case with TP, PP and tied embeddings, and one MoE; the rest (about
+# 10 s each on 2 cores) run in make test-all.
+LOGITS = [(4, ["--tp", "2", "--pp", "2", "--tie"]),
+          (4, ["--family", "qwen3_moe", "--experts", "4", "--tp", "2", "--ep", "2"])]
+LOGITS_SLOW = [(2, ["--tp", "2"]), (4, ["--tp", "4", "--groups", "4"]),
+               (2, ["--tp", "1", "--pp", "2", "--groups", "1"]),
+               (2, ["--family", "mixtral", "--experts", "8", "--tp", "1", "--ep", "2"]),
+               (4, ["--family", "deepseek_v3", "--experts", "4", "--tp", "2", "--ep", "2"])]
+LOGITS_ALL = [*[pytest.param(n, a, id=i) for (n, a), i in zip(LOGITS, _ids(LOGITS), strict=True)],
+              *[pytest.param(n, a, id=i, marks=pytest.mark.slow) for (n, a), i in zip(LOGITS_SLOW, _ids(LOGITS_SLOW),
+                                                                                       strict=True)]]
 
 
-@pytest.mark.parametrize("nproc,args", LOGITS, ids=_ids(LOGITS))
+@pytest.mark.parametrize("nproc,args", LOGITS_ALL)
 def test_fp32_logits_match_hf(nproc, args):
     """Independent of the maps and the oracle: Megatron's forward == transformers' forward on
     the exported weights, in fp32 (max abs difference < 1e-4)."""

@@ -1,7 +1,7 @@
 """Issue 38, finding 10: a corrupt keyframe made `receive` print a SafetensorError traceback.
 A keyframe is now parsed and checked against its record's digests before a receiver starts
 from it: a clear error naming the key, exit 2, nothing loaded. The damage is made at rest
-(written to the store's files directly: committed objects are create-only through its API)."""
+(written to the store's files directly: history objects are create-only through its API)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def test_file_store_refuses_to_replace_committed_objects(tmp_path, key):
     s = FileStore(tmp_path)
     s.put(key, b'{"decision": "commit"}')
     s.put(key, b'{"decision": "commit"}')  # a retry with the same bytes stands
-    with pytest.raises(ImmutableError, match="committed and immutable"):
+    with pytest.raises(ImmutableError, match="history and immutable"):
         s.put(key, b'{"decision": "abort"}')
     assert s.get(key) == b'{"decision": "commit"}'
     assert not [p for p in tmp_path.rglob("*.part")]  # no staging file left behind

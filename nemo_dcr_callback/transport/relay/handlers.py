@@ -240,13 +240,13 @@ class HttpSide:
                 created = await self._up(self.parent.put_if_absent, key, data)
                 if not created:  # another writer's object stands: fetched from the parent when asked
                     return web.json_response({"created": False}, status=412)
-            elif keys.is_committed(key):
+            elif keys.is_history(key):
                 # history is create-only: the same bytes again (a retry) stand, others are refused
                 try:
                     await self._up(put_once, self.parent, key, data)
                 except ImmutableError:
                     self.stats["rejected"] += 1
-                    return web.json_response({"error": f"{key} is committed and immutable: not replaced"},
+                    return web.json_response({"error": f"{key} is history and immutable: not replaced"},
                                              status=409)
             else:
                 try:

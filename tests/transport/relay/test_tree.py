@@ -152,7 +152,7 @@ def test_corrupted_chunk_at_a_relay_is_not_forwarded(tmp_path, relays):
 def test_corrupt_object_from_upstream_is_refused(tmp_path, relays):
     origin = FileStore(tmp_path / "origin")
     key, blob = damaged_part(origin)
-    origin.delete([key])  # damaged at rest: committed objects are create-only through the API
+    origin.delete([key])  # damaged at rest: history objects are create-only through the API
     origin.put(key, bytes(blob))
     root = relays(origin.url, "root")
     with pytest.raises(StoreError, match="corrupt object from upstream, not forwarded"):
