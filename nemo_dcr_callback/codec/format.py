@@ -84,6 +84,20 @@ _SUM = struct.Struct("<Q")
 SUM_BYTES = _SUM.size
 MAX_NAME = 4096
 MAX_MEMBERS = 1 << 16  # tensors in one batched chunk
+# What a batch's member table may expand to: its raw bytes at most MAX_TABLE_BYTES, its
+# front-coded names at most NAME_EXPANSION times the raw table (plus 64 KiB) and at most
+# MAX_NAME_BYTES in all. A full honest batch (65,536 members, names of about 100 bytes) needs
+# about 7 MB of each; zstd stores a regular table 200x smaller, so the stored size bounds
+# nothing. A 10 KB chunk claiming 65,536 members of 4 KB names took about 300 MB before its
+# refusal; now at most about 50 MB.
+MAX_TABLE_BYTES = 16 << 20
+NAME_EXPANSION = 16
+MAX_NAME_BYTES = 32 << 20
+_SLACK = 64 << 10
+
+
+def _name_budget(table_bytes: int) -> int:
+    return min(NAME_EXPANSION * table_bytes + _SLACK, MAX_NAME_BYTES)
 MIN_CHUNK = 4 + 1 + 1 + 1 + 4 + SUM_BYTES  # magic, version, flags, dtype, four 1-byte varints, checksum
 STORED, ZSTD, RANS = 0, 1, 2  # stream codecs
 _BATCH = 0x40  # flags bit: a batched chunk (several small tensors, one set of streams)
@@ -281,7 +295,8 @@ def _members(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Chunk
     if lib.dcr_member_table(buf, len(buf), m, MAX_NAME, fields_.ctypes.data) != 0:
         return _members_py(raw, m, h, total, count)
     f = fields_.reshape(m, 5)
-    if int(f[:, 3].sum()) != total or int(f[:, 4].sum()) != count:
+    if (int(f[:, 3].sum()) != total or int(f[:, 4].sum()) != count
+            or int(f[:, 0].sum() + f[:, 1].sum()) > _name_budget(len(buf))):
         return _members_py(raw, m, h, total, count)
     make = _MemberHeaders(h).make
     out, prev, off = [], b"", 0
@@ -302,12 +317,17 @@ def _members_py(raw: bytes, m: int, h: dict, total: int, count: int) -> tuple[Ch
     """_members in Python, with the error naming each problem."""
     r, out, prev, off, seen, n_sum = _Reader(memoryview(raw)), [], b"", 0, set(), 0
     make = _MemberHeaders(h).make
+    names, most = 0, _name_budget(len(raw))
     try:
         for i in range(m):
             k, s = r.varint(), r.varint()
             if k > len(prev) or k + s > MAX_NAME:
                 raise ChunkError(f"member table entry {i}: name refers to {k} bytes of a {len(prev)}-byte name "
                                  "(corrupt member table)")
+            names += k + s
+            if names > most:
+                raise ChunkError(f"member table's names expand past {most} bytes from {len(raw)} (corrupt or "
+                                 "crafted member table)")
             nb = prev[:k] + bytes(r.take(s))
             numel, c = r.varint(), r.varint()
             try:
@@ -365,6 +385,9 @@ def _read_header(mv: memoryview, off: int = 0) -> tuple[int, dict]:
         f["tcodec"] = r.byte()
         if f["m"] > MAX_MEMBERS or tstored > len(mv) or f["traw"] > MAX_MEMBERS * (MAX_NAME + 40):
             raise ChunkError("bad member table size (corrupt header)")
+        if f["traw"] > MAX_TABLE_BYTES:
+            raise ChunkError(f"member table claims {f['traw']} bytes, more than {MAX_TABLE_BYTES} (corrupt or "
+                             "crafted header)")
         f["table"] = bytes(r.take(tstored))
     else:
         nlen = r.varint()

@@ -73,7 +73,8 @@ def _patch_arguments(p: argparse.ArgumentParser) -> None:
 
 def _patch(args: argparse.Namespace) -> int:
     # start-up cost: loads torch (~1 s), only when this command runs
-    from nemo_dcr_callback.tools.deltafile import patch, signing_key
+    from nemo_dcr_callback.tools.delta_patch import patch
+    from nemo_dcr_callback.tools.deltafile import signing_key
 
     key = signing_key(args.verify_key_env) if args.verify_key_env else None
     patch(args.base, args.delta, args.output, force=args.force, quiet=args.quiet, key=key)

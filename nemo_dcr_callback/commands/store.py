@@ -294,17 +294,18 @@ def _s3_server_arguments(p: argparse.ArgumentParser) -> None:
 def _s3_server(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.transport.seaweed import SeaweedS3  # start-up cost: only when this command runs
 
-    s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port).start()
+    s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port)
 
     # systemd, docker and timeout stop a service with SIGTERM (a closed terminal: SIGHUP); weed
     # runs in its own session, so without this it would outlive us and keep its ports and data.
-    # Installed before the address is printed: a client may stop us as soon as it reads it.
+    # Installed before weed starts: a stop during its start-up (the first seconds) orphaned it.
     def stopped(signum, frame):
         raise _Stopped(signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stopped)
     try:
+        s3.start()
         print(f"S3 (SeaweedFS) at {s3.endpoint}, bucket {s3.bucket}; store URL {s3.url()}\n"
               "credentials for clients (never logged elsewhere):", flush=True)
         for k, v in s3.env().items():

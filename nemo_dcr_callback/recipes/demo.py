@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from nemo_dcr_callback.recipes import synthetic
-from nemo_dcr_callback.tools import deltafile
+from nemo_dcr_callback.tools import delta_patch, deltafile
 
 
 def _sha(path: Path) -> str:
@@ -52,7 +52,7 @@ def run_demo(params: int, rate: float, steps: int, workdir: str | None) -> int:
         deltafile.diff(root / f"step{step - 1}", dense, delta, quiet=True)
         t1 = time.perf_counter()
         rebuilt = root / f"rebuilt{step}"
-        deltafile.patch(current, delta, rebuilt, quiet=True)
+        delta_patch.patch(current, delta, rebuilt, quiet=True)
         t2 = time.perf_counter()
         st = deltafile.stats(delta)
         same = all(_sha(rebuilt / p.name) == _sha(p) for p in dense.iterdir())

@@ -6,9 +6,10 @@ second pass. The manifest holds each safetensors header of NEW (or, where it equ
 its digest only), per tensor in header order its mode, change count and chunks, and digests
 of the old and new bits, so `patch` rebuilds NEW's files byte for byte. Tensors with few
 changes share batched chunks (one header and one set of entropy tables for many norms,
-biases or experts). Patching verifies everything it can before writing (manifest checksum,
-base digest), writes into a temporary path and renames it into place only when the new
-bits' digest matched: a bad delta or a wrong base leaves nothing behind.
+biases or experts). `patch` (tools/delta_patch.py) verifies everything it can before
+writing (manifest checksum, base digest), writes into a temporary path and renames it into
+place only when the new bits' digest matched: a bad delta or a wrong base leaves nothing
+behind.
 """
 
 from __future__ import annotations
@@ -16,26 +17,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import shutil
 import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import xxhash
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.codec.checkpoint import Checkpoint, CheckpointError, TensorEntry, write_safetensors
+from nemo_dcr_callback.codec.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from nemo_dcr_callback.core.delta import take_delta
-from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.tools.delta_manifest import (
     MAX_MANIFEST,
     VERSION,
     DeltaError,
-    _check_room,
-    _entries_from_header,
     _file_header,
     _records,
     dump_manifest,
@@ -126,6 +124,19 @@ def _check_output(out_path: Path, inputs: list[Path], force: bool) -> None:
         raise FileExistsError(f"{out_path} exists (use --force to replace it)")
 
 
+def _check_links(ck: Checkpoint) -> None:
+    """Every file of a checkpoint folder that diff embeds must be inside the folder: a symlink
+    leading out of it would put whatever it points at (a key, another model) into the delta."""
+    if not ck.is_dir:
+        return
+    root = os.path.realpath(ck.path)
+    for name in [*ck.files, *ck.other_files]:
+        real = os.path.realpath(ck.path / name)
+        if real != root and not real.startswith(root + os.sep):
+            raise DeltaError(f"{ck.path / name} is a link leading out of {ck.path} (to {real}): refused; copy the "
+                             "file in if it belongs to the checkpoint")
+
+
 def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str | os.PathLike, *,
          span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, quiet: bool = False, force: bool = False,
          key: bytes | None = None, context: bool = True) -> dict:
@@ -136,6 +147,7 @@ def diff(old_path: str | os.PathLike, new_path: str | os.PathLike, out_path: str
     out_path = Path(out_path)
     _check_output(out_path, [Path(old_path), Path(new_path)], force)
     old, new = Checkpoint(old_path), Checkpoint(new_path)
+    _check_links(new)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent or ".")
     prog = _Progress("diff", len(new.where), quiet=quiet)
     try:
@@ -358,13 +370,19 @@ class DeltaFile:
             raise DeltaError(f"{self.path}: truncated chunk")
         return data
 
-    def parts_for(self, index: int, span: list[int], name: str, old=None) -> list[codec.DecodedChunk]:
+    def parts_for(self, index: int, span: list[int], name: str, old=None,
+                  check: Callable[[codec.ChunkHeader], None] | None = None) -> list[codec.DecodedChunk]:
         """Tensor `name`'s changes in chunk `index`: verified, decoded, checked to be this
         tensor's. A batched chunk is decoded once for all of its tensors (patch goes in order).
-        old: a tensor's chunk header -> BASE's flat tensor (context-coded chunks read it)."""
+        old: a tensor's chunk header -> BASE's flat tensor (context-coded chunks read it).
+        check: called with every tensor's header in the chunk before anything is decoded (the
+        sizes a header claims are checked against their targets before they are allocated)."""
         if self._decoded is None or self._decoded[0] != index:
             buf = self.read(span)
             h = codec.parse_header(buf)
+            if check is not None:
+                for part in h.parts():
+                    check(part)
             self._decoded = (index, {d.header.name: d for d in codec.decode_parts(buf, h, old)})
         d = self._decoded[1].get(name)
         if d is None:
@@ -373,117 +391,6 @@ class DeltaFile:
 
     def close(self) -> None:
         self._f.close()
-
-
-def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest) -> torch.Tensor:
-    """NEW's bits of one tensor: BASE's bits (or zeros for a tensor sent whole) with every
-    chunk applied; its digest goes into new_digest (checked once every tensor is built)."""
-    name = rec["name"]
-    info = codec.dtype_info(rec["dtype"])
-    if rec["mode"] == "xor":
-        target = base.tensor(name).contiguous().clone().reshape(-1)
-    else:
-        target = torch.zeros(rec["numel"], dtype=info.torch)
-    def base_of(h: codec.ChunkHeader) -> torch.Tensor:
-        """BASE's bits of a tensor a context-coded chunk holds, checked against the chunk."""
-        if h.name not in base.where:
-            raise codec.ChunkError(f"chunk holds changes of {h.name!r}, which BASE does not have")
-        t = target if h.name == name else base.tensor(h.name).reshape(-1)
-        codec.check_target(h, t, h.name)
-        return t
-
-    for index, span in rec["chunks"]:
-        for d in dfile.parts_for(index, span, name, base_of):
-            codec.check_target(d.header, target, name)
-            codec.apply_decoded(d, target)
-    new_digest.update(bytes.fromhex(codec.tensor_digest(target)))
-    return bits(target)
-
-
-def patch(base_path: str | os.PathLike, delta_path: str | os.PathLike, out_path: str | os.PathLike, *,
-          force: bool = False, quiet: bool = False, key: bytes | None = None) -> dict:
-    """Rebuild NEW from BASE and a delta into out_path. All or nothing: on any error
-    (DeltaError, codec.ChunkError, CheckpointError) nothing is left at out_path and BASE is
-    untouched (it is only ever read). With a key, only a delta signed with it is taken."""
-    dfile = DeltaFile(delta_path, key)
-    m = dfile.manifest
-    base = Checkpoint(base_path)
-    out_path = Path(out_path)
-    is_dir = m["layout"] == "dir"
-    if out_path.exists() and not force and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise FileExistsError(f"{out_path} exists (use --force to replace it)")
-    if out_path.resolve() == Path(base_path).resolve():
-        raise ValueError("OUT must differ from BASE (BASE is never modified)")
-
-    # 1. The base must be the delta's base, checked before anything is written.
-    recs, headers = dfile.records({name: sf.header_bytes for name, sf in base.files.items()})
-    old_digest = xxhash.xxh3_128()
-    for rec in recs:
-        if rec["mode"] != "xor":
-            continue
-        name = rec["name"]
-        if name not in base.where:
-            raise DeltaError(f"BASE has no tensor {name!r}: wrong base for this delta")
-        e = base.entry(name)
-        if e.dtype != rec["dtype"] or list(e.shape) != rec["shape"]:
-            raise DeltaError(f"BASE tensor {name!r} is {e.dtype}{list(e.shape)}, the delta expects "
-                             f"{rec['dtype']}{rec['shape']}: wrong base")
-        old_digest.update(bytes.fromhex(codec.tensor_digest(base.tensor(name))))
-    if old_digest.hexdigest() != m["old_digest"]:
-        raise DeltaError("BASE does not match the delta's base (the digest of its tensors differs): wrong base or "
-                         "a different version")
-    for o in m["other_files"]:
-        if o.get("same") and (not base.is_dir or o["path"] not in base.other_files):
-            raise DeltaError(f"BASE lacks {o['path']!r}, which the delta takes from the base")
-
-    # 2. Build NEW in a temporary path next to OUT, if there is room for it.
-    parent = out_path.parent if str(out_path.parent) else Path(".")
-    _check_room(headers, recs, parent)
-    tmp = Path(tempfile.mkdtemp(prefix=out_path.name + ".", suffix=".tmp", dir=parent))
-    by_file: dict[str, list[dict]] = {}
-    for rec in recs:
-        by_file.setdefault(rec["file"], []).append(rec)
-    prog = _Progress("patch", len(recs), quiet=quiet)
-    new_digest = xxhash.xxh3_128()
-    try:
-        for fentry in m["files"]:
-            frecs = {r["name"]: r for r in by_file.get(fentry["path"], [])}
-            entries = _entries_from_header(headers[fentry["path"]])
-
-            def build(name: str, frecs: dict = frecs) -> torch.Tensor:
-                t = _rebuild_tensor(base, dfile, frecs[name], new_digest)
-                prog.add(t.numel() * t.element_size())
-                return t
-
-            # (write_safetensors builds the tensors in offset order, the manifest's order)
-            write_safetensors(tmp / fentry["path"], headers[fentry["path"]].encode(), entries, build)
-        if new_digest.hexdigest() != m["new_digest"]:
-            raise DeltaError("the rebuilt tensors' digest differs from the delta's (corrupt delta or wrong base)")
-        for o in m["other_files"]:
-            dst = tmp / o["path"]
-            if o.get("same"):
-                shutil.copyfile(base.path / o["path"], dst)
-            else:
-                dst.write_bytes(dfile.read(o["blob"]))
-            if file_digest(dst) != o["digest"]:
-                raise DeltaError(f"{o['path']}: digest differs from the delta's")
-        # 3. Move into place.
-        if is_dir:
-            if out_path.exists():
-                shutil.rmtree(out_path)
-            os.replace(tmp, out_path)
-        else:
-            if len(m["files"]) != 1:
-                raise DeltaError("single-file delta with several files")
-            os.replace(tmp / m["files"][0]["path"], out_path)
-            shutil.rmtree(tmp)
-        prog.tick(force=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        dfile.close()
-    return m
 
 
 def stats(delta_path: str | os.PathLike) -> dict:
@@ -517,4 +424,4 @@ def stats(delta_path: str | os.PathLike) -> dict:
     return out
 
 
-__all__ = ["DeltaError", "DeltaFile", "diff", "patch", "stats", "CheckpointError", "dump_manifest", "load_manifest"]
+__all__ = ["DeltaError", "DeltaFile", "diff", "stats", "CheckpointError", "dump_manifest", "load_manifest"]

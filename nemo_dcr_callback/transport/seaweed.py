@@ -103,19 +103,23 @@ class SeaweedS3:
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise StoreError(f"SeaweedFS exited with {self.proc.returncode}; see {self.dir / 'weed.log'}")
-            try:
-                with socket.create_connection((self.ip, self.base + _PORTS.index("s3.port")), timeout=0.5):
-                    pass
-                self.store().ensure_bucket()
-                return self
-            except (OSError, StoreError):
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise StoreError(f"SeaweedFS S3 did not come up on {self.endpoint} in {timeout:.0f} s") from None
-                time.sleep(0.2)
+        try:  # whatever ends the wait (a stop signal's exception included), weed does not outlive it
+            while True:
+                if self.proc.poll() is not None:
+                    raise StoreError(f"SeaweedFS exited with {self.proc.returncode}; see {self.dir / 'weed.log'}")
+                try:
+                    with socket.create_connection((self.ip, self.base + _PORTS.index("s3.port")), timeout=0.5):
+                        pass
+                    self.store().ensure_bucket()
+                    return self
+                except (OSError, StoreError):
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"SeaweedFS S3 did not come up on {self.endpoint} in {timeout:.0f} s") \
+                            from None
+                    time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
 
     def store(self, prefix: str = ""):
         """An S3Store on this server with its credentials (no environment needed)."""

@@ -43,7 +43,16 @@ class FileStore:
     def _staged(self, key: str, data: bytes, durable: bool) -> tuple[Path, str]:
         """Write data to a temporary file next to the key's path (fsynced if durable)."""
         p = self._path(key)
+        # A linked folder on the way: writes stay in the store, as reads do (checked on the
+        # nearest folder that exists before any is made, then on the one written into).
+        have = p.parent
+        while not have.exists() and have != self.root and have.parent != have:
+            have = have.parent
+        if not self._inside(have):
+            raise StoreError(f"{key}: its folder is a link leading out of the store {redact(self.url)}: not written")
         p.parent.mkdir(parents=True, exist_ok=True)
+        if not self._inside(p.parent):
+            raise StoreError(f"{key}: its folder is a link leading out of the store {redact(self.url)}: not written")
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
         try:
             with os.fdopen(fd, "wb") as f:

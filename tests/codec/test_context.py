@@ -151,7 +151,7 @@ def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(t
     positions. The delta file's digests refuse the result, with nothing written."""
     from safetensors.torch import save_file
 
-    from nemo_dcr_callback.tools import deltafile
+    from nemo_dcr_callback.tools import delta_patch, deltafile
 
     old, new = _adam_like(100_000, 1e-6, 4)
     other, _ = _adam_like(100_000, 1e-6, 5)
@@ -163,9 +163,9 @@ def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(t
     assert codec.parse_header(df.read([8, df.manifest["chunk_lengths"][0]])).classes  # context-coded
     df.close()
     with pytest.raises(deltafile.DeltaError, match="wrong base"):
-        deltafile.patch(tmp_path / "other", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+        delta_patch.patch(tmp_path / "other", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
     assert not (tmp_path / "out").exists()
-    deltafile.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+    delta_patch.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
     got, want = (tmp_path / d / "model.safetensors" for d in ("out", "new"))
     assert got.read_bytes() == want.read_bytes()
 
@@ -177,7 +177,7 @@ def test_diff_patch_is_byte_exact_with_batches_and_contexts(tmp_path, span, ctx)
     matrices (own chunks, several where a tensor spans more than `span`), F32 and I64."""
     from safetensors.torch import save_file
 
-    from nemo_dcr_callback.tools import deltafile
+    from nemo_dcr_callback.tools import delta_patch, deltafile
 
     old, new = {}, {}
     for i in range(6):
@@ -202,6 +202,6 @@ def test_diff_patch_is_byte_exact_with_batches_and_contexts(tmp_path, span, ctx)
         assert any(h.classes for h in heads)
     if not ctx:
         assert not any(h.classes for h in heads)
-    deltafile.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
+    delta_patch.patch(tmp_path / "old", tmp_path / "d.dcr", tmp_path / "out", quiet=True)
     got, want = (tmp_path / d / "model.safetensors" for d in ("out", "new"))
     assert got.read_bytes() == want.read_bytes()

@@ -63,7 +63,7 @@ def test_joint_commit_of_four_ranks(comm, shared_dir):
             d = commit.run_commit(store, rec, commit.CommitPolicy("wait", 120), expected=expected)
         d = comm.bcast(d, root=0)
         decisions.append(d["decision"])
-        (sender.commit if d["decision"] == "commit" else sender.abort)()
+        (sender.settle if d["decision"] == "commit" else sender.roll_back)()
     t.join(200)
     exact = not t.is_alive() and not errors and all(torch.equal(bits(held[k]), bits(states[-1][k]))
                                                      for k in states[-1])

@@ -60,3 +60,29 @@ def test_stop_signal_stops_seaweedfs(tmp_path, sig):
             os.kill(pid, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
+
+
+def test_a_stop_during_start_up_stops_seaweedfs(tmp_path):
+    """Issue 46, finding 10: the handlers were installed only once SeaweedFS answered, so a
+    SIGTERM in its first second or two killed s3-server and orphaned weed. Now they come first
+    and a stop during start-up stops weed too."""
+    data = tmp_path / "s3data"
+    p = subprocess.Popen([CLI, "s3-server", "--dir", data], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not weed_pids(data) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.02)
+        assert weed_pids(data), "weed never started"
+        p.send_signal(signal.SIGTERM)  # weed is starting: the address is not printed yet
+        p.wait(30)
+        out = p.stdout.read()
+        assert "S3 (SeaweedFS) at" not in out, out  # (it was still starting)
+        deadline = time.monotonic() + 15
+        while weed_pids(data) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not weed_pids(data), "weed outlived s3-server stopped during start-up"
+    finally:
+        for pid in weed_pids(data):
+            os.kill(pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()

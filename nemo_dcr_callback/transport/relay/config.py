@@ -60,8 +60,14 @@ class RelayConfig:
     max_connections: int = 8192  # in all (the process's file descriptors are the hard limit)
     # Request bodies are read into one buffer each (that buffer is then verified, passed up and
     # cached, never copied): these bound what uploads can take, by size and in all.
-    max_uploads: int = 4  # request bodies read at once
-    upload_mb: int = 2048  # bytes of request bodies being read at once
+    max_uploads: int = 4  # request bodies read at once, of the publisher's token
+    upload_mb: int = 2048  # bytes of request bodies being read at once, of the publisher's token
+    # Receivers' registrations and acks have slots of their own, so that slow ones (a
+    # receivers'-token holder trickling bodies) never hold the publisher's parts and records up;
+    # a peer takes at most a few at once, and a record's body must come within a short time.
+    max_record_uploads: int = 64  # receivers' record bodies read at once, in all
+    max_record_uploads_per_peer: int = 16  # ... from one address (more get 429)
+    record_body_timeout_s: float = 10.0  # a registration's or ack's body not complete within this: 408
     max_record_bytes: int = 64 << 10  # a registration or an ack
     max_json_bytes: int = 64 << 20  # a rank manifest, version record, decision, keyframe record, stats
     max_object_mb: int = 1024  # a part, a keyframe's or verify's model.safetensors

@@ -196,24 +196,38 @@ class HttpSide:
             return web.json_response({"error": f"refused {key}: {n} bytes, larger than the {limit} "
                                                f"a {kind} may have"}, status=413)
         need = limit if n is None else n
+        # receivers' records have their own slots and a short body timeout, and one address takes
+        # a few at most: four trickled acks held every upload slot, the publisher's parts behind them
+        record = request["role"] != "publisher"
+        budget = self._record_uploads if record else self._uploads
+        timeout = self.cfg.record_body_timeout_s if record else self.cfg.body_timeout_s
+        peer = request.remote or "?"
+        if record and self._peer_uploads.get(peer, 0) >= self.cfg.max_record_uploads_per_peer:
+            return web.json_response({"error": f"refused {key}: {peer} has {self.cfg.max_record_uploads_per_peer} "
+                                               "uploads under way already"}, status=429)
         try:
-            async with asyncio.timeout(self.cfg.body_timeout_s):
-                await self._uploads.acquire(need)
+            async with asyncio.timeout(timeout):
+                await budget.acquire(need)
         except TimeoutError:
-            return web.json_response({"error": f"no room to take {key} within {self.cfg.body_timeout_s:.0f} s: "
+            return web.json_response({"error": f"no room to take {key} within {timeout:.0f} s: "
                                                f"the relay is busy with other uploads"}, status=503)
+        if record:
+            self._peer_uploads[peer] = self._peer_uploads.get(peer, 0) + 1
         try:
             try:
-                async with asyncio.timeout(self.cfg.body_timeout_s):
+                async with asyncio.timeout(timeout):
                     data = await _read_body(request, n, limit)
             except TimeoutError:
-                return web.json_response({"error": f"body of {key} not complete in "
-                                                   f"{self.cfg.body_timeout_s:.0f} s"}, status=408)
+                return web.json_response({"error": f"body of {key} not complete in {timeout:.0f} s"}, status=408)
             if isinstance(data, tuple):
                 return web.json_response({"error": f"refused {key}: {data[1]}"}, status=data[0])
             return await self._put(request, key, own, data)
         finally:
-            await self._uploads.release(need)
+            await budget.release(need)
+            if record:
+                left = self._peer_uploads.pop(peer) - 1
+                if left:
+                    self._peer_uploads[peer] = left
 
     async def _put(self, request: web.Request, key: str, own, data: bytearray) -> web.Response:
         self.stats["puts"] += 1

@@ -49,7 +49,9 @@ class Relay(HttpSide, StoreSide):
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
         self.watch_alive = 0.0
-        self._uploads = UploadBudget(cfg.upload_mb << 20, cfg.max_uploads)
+        self._uploads = UploadBudget(cfg.upload_mb << 20, cfg.max_uploads)  # the publisher's
+        self._record_uploads = UploadBudget(cfg.max_record_uploads * cfg.max_record_bytes, cfg.max_record_uploads)
+        self._peer_uploads: dict[str, int] = {}  # receivers' record uploads under way, by address
         self.stats = {"name": cfg.name, "bytes_in": 0, "bytes_out": 0, "objects_in": 0, "objects_out": 0,
                       "part_bytes_in": 0, "part_bytes_out": 0,
                       "hits": 0, "rejected": 0, "upstream_errors": 0, "unauthorized": 0, "puts": 0,
