@@ -7,6 +7,7 @@ transformers LlamaConfig, so a Hugging Face model built from it is the receiver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,46 +147,87 @@ def build_model(cfg: TinyGPTConfig, seed: int = 1234):
     )
 
 
-def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
-    """The transformers config of the model's family (the receiver's)."""
-    import transformers
+# Each placement family's Hugging Face config: its transformers config class, its model class
+# (config.json's `architectures`, which serving engines such as vLLM pick the model by) and
+# the fields beyond the ones every family shares. A keyframe's config.json comes from here, so
+# engines load it with no hand edits. llama-zc is served as Llama: its norms are converted.
+def _dense(cfg: TinyGPTConfig) -> dict:
+    return dict(num_key_value_heads=cfg.num_query_groups, intermediate_size=cfg.ffn_hidden_size)
 
+
+def _qwen3(cfg: TinyGPTConfig) -> dict:
+    return dict(_dense(cfg), head_dim=cfg.hidden_size // cfg.num_attention_heads, attention_bias=False)
+
+
+def _qwen3_moe(cfg: TinyGPTConfig) -> dict:
+    return dict(_qwen3(cfg), moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _mixtral(cfg: TinyGPTConfig) -> dict:
+    return dict(num_key_value_heads=cfg.num_query_groups, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+                intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                num_local_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk)
+
+
+def _deepseek_v3(cfg: TinyGPTConfig) -> dict:
+    moe_f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    return dict(num_key_value_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size,
+                moe_intermediate_size=moe_f, n_routed_experts=cfg.num_moe_experts,
+                n_shared_experts=(cfg.moe_shared_expert_intermediate_size or 0) // moe_f,
+                num_experts_per_tok=cfg.moe_router_topk, n_group=cfg.moe_router_num_groups or 1,
+                topk_group=cfg.moe_router_group_topk or 1, first_k_dense_replace=cfg.moe_first_dense_layers,
+                q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+                qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+                routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
+                rope_interleave=True)
+
+
+def _llama(cfg: TinyGPTConfig) -> dict:
+    return dict(_dense(cfg), attention_bias=False, mlp_bias=False)
+
+
+HF_FAMILIES: dict[str, tuple[str, str, Callable[[TinyGPTConfig], dict]]] = {
+    # family: (transformers config class, model class, family fields)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _llama),
+    "llama-zc": ("LlamaConfig", "LlamaForCausalLM", _llama),
+    "mistral": ("MistralConfig", "MistralForCausalLM", lambda cfg: dict(_dense(cfg), sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _dense),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _qwen3),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _qwen3_moe),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", _mixtral),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _deepseek_v3),
+}
+
+
+# What the family's Hugging Face model always has, so the Megatron model must have it too (else
+# the keyframe lacks tensors its engines expect): TinyGPTConfig fields that must be set.
+HF_REQUIRES: dict[str, tuple[str, ...]] = {
+    "qwen2": ("add_qkv_bias",),
+    "qwen3": ("qk_layernorm",),
+    "qwen3_moe": ("qk_layernorm", "num_moe_experts"),
+    "mixtral": ("num_moe_experts",),
+    "deepseek_v3": ("multi_latent_attention", "num_moe_experts", "moe_router_enable_expert_bias"),
+}
+
+
+def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
+    """The transformers config of the model's family (the receiver's), with `architectures`."""
+    import transformers  # start-up cost: only where a keyframe's config is written
+
+    if family not in HF_FAMILIES:
+        raise ValueError(f"no Hugging Face config for family {family!r} (have {sorted(HF_FAMILIES)})")
+    unset = [f for f in HF_REQUIRES.get(family, ()) if not getattr(cfg, f)]
+    if unset:
+        raise ValueError(f"family {family}: its Hugging Face model has what model.{unset[0]} makes; set "
+                         + ", ".join(f"model.{f}" for f in unset))
+    config_class, model_class, fields = HF_FAMILIES[family]
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.num_attention_heads, max_position_embeddings=max(cfg.seq_length, 64),
                   rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rotary_base, tie_word_embeddings=cfg.tie_word_embeddings,
-                  torch_dtype=cfg.params_dtype)
-    moe_f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common, num_key_value_heads=cfg.num_query_groups,
-                                        intermediate_size=cfg.ffn_hidden_size)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, num_key_value_heads=cfg.num_query_groups, head_dim=head_dim,
-            intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=moe_f, num_experts=cfg.num_moe_experts,
-            num_experts_per_tok=cfg.moe_router_topk,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
-    if family == "mixtral":
-        return transformers.MixtralConfig(
-            **common, num_key_value_heads=cfg.num_query_groups, head_dim=head_dim, intermediate_size=moe_f,
-            num_local_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk)
-    if family == "deepseek_v3":
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        return transformers.DeepseekV3Config(
-            **common, num_key_value_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size,
-            moe_intermediate_size=moe_f, n_routed_experts=cfg.num_moe_experts, n_shared_experts=shared // moe_f,
-            num_experts_per_tok=cfg.moe_router_topk, n_group=cfg.moe_router_num_groups or 1,
-            topk_group=cfg.moe_router_group_topk or 1, first_k_dense_replace=cfg.moe_first_dense_layers,
-            q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
-            qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
-            routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True, rope_interleave=True)
-    return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups, max_position_embeddings=max(cfg.seq_length, 64),
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rotary_base, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False, mlp_bias=False, torch_dtype=cfg.params_dtype,
-    )
+                  torch_dtype=cfg.params_dtype, architectures=[model_class])
+    return getattr(transformers, config_class)(**common, **fields(cfg))
 
 
 def wrap_for_training(model, lr: float = 1e-3, distributed_optimizer: bool = False, seed: int = 1234):

@@ -1,0 +1,66 @@
+"""Every family's keyframe is a checkpoint its family's engines load (issue 47, item 0).
+
+The training recipe (scripts/train.py: Lightning + megatron-core + the callback) writes version
+0's keyframe: the dense export and a config.json from recipes/megatron_model.HF_FAMILIES. A
+keyframe for qwen3 used to say "model_type": "llama" while holding q_norm/k_norm, and one for
+qwen3_moe had no `architectures`: engines refused both. Here transformers'
+AutoModelForCausalLM loads each family's keyframe with nothing missing or left over, and holds
+the keyframe's bits (checked against its record's digests when it is read: the dense
+export's), as its own save_pretrained writes them back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_dcr_callback.core.rawbits import bits
+from nemo_dcr_callback.protocol.rebuild import load_keyframe
+from nemo_dcr_callback.recipes.megatron_model import HF_FAMILIES
+from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers.keyframes import FAMILY_ARGS, publish_keyframe
+
+FAST = {"qwen3", "qwen3_moe"}  # the two that engines refused; make test-all runs every family
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in FAST else pytest.mark.slow)
+                                    for f in FAMILY_ARGS])
+def test_the_recipe_keyframe_loads_in_transformers(tmp_path, family):
+    import transformers
+
+    folder = publish_keyframe(tmp_path, family)
+    config_class, model_class, _ = HF_FAMILIES[family]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [model_class]
+    assert config["model_type"] == getattr(transformers, config_class).model_type
+    tensors, _ = load_keyframe(FileStore(tmp_path / "store"), 0)  # (checked against its record's digests)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True,
+                                                                    dtype=torch.bfloat16)
+    assert type(model).__name__ == model_class
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert not info["unexpected_keys"] and set(info["missing_keys"]) <= tied, info
+    # what the model holds, in the checkpoint's names: transformers fuses MoE experts when it
+    # loads (gate_up_proj) and splits them again when it saves
+    model.save_pretrained(tmp_path / "saved")
+    held = {}
+    for f in sorted((tmp_path / "saved").glob("*.safetensors")):
+        held.update(load_file(f))
+    assert set(held) == set(tensors) - tied or set(held) == set(tensors), sorted(set(held) ^ set(tensors))[:4]
+    bad = [n for n, t in held.items() if not torch.equal(bits(t.contiguous()), bits(tensors[n]))]
+    assert not bad, f"{family}: {bad[:3]} differ from the keyframe"
+
+
+def test_every_placement_family_has_a_hugging_face_config():
+    from nemo_dcr_callback.placement import FAMILIES
+
+    assert set(FAMILIES) == set(HF_FAMILIES)
+
+
+def test_a_family_whose_model_lacks_what_its_engines_expect_is_refused():
+    from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig, hf_config
+
+    with pytest.raises(ValueError, match="model.qk_layernorm"):
+        hf_config(TinyGPTConfig(), "qwen3")  # (the keyframe would lack q_norm and k_norm)
+    assert hf_config(TinyGPTConfig(qk_layernorm=True), "qwen3").architectures == ["Qwen3ForCausalLM"]
