@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 from nemo_dcr_callback.commands.base import Command, positive
+from nemo_dcr_callback.transport.relay.config import RelayConfig
 
 _STORE_URL = "file://, s3:// or relay:// URL (or a failover chain)"
 
@@ -160,6 +161,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------- relay
 def _relay_arguments(p: argparse.ArgumentParser) -> None:
+    c = RelayConfig  # the defaults are RelayConfig's, written once there
     p.add_argument("--parent", default=None, help="upstream store URL (comma-separated: failover chain)")
     p.add_argument("--topology", default=None, help="relay tree config (YAML); with --name")
     p.add_argument("--name", default="relay", help="this relay's name (in --topology: its node)")
@@ -168,27 +170,30 @@ def _relay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receiver-token-env", default="NEMO_DCR_RELAY_RECEIVER_TOKEN",
                    help="environment variable holding the receivers' token (may write only registrations and acks)")
     p.add_argument("--no-token", action="store_true", help="accept unauthenticated peers (loopback trials only)")
-    p.add_argument("--header-timeout-s", type=float, default=15.0,
+    p.add_argument("--header-timeout-s", type=float, default=c.header_timeout_s,
                    help="close a connection that has not sent a complete request within this")
-    p.add_argument("--body-timeout-s", type=float, default=120.0, help="refuse a request body not complete within this")
-    p.add_argument("--max-connections-per-peer", type=positive, default=256, help="per client address")
-    p.add_argument("--max-object-mb", type=positive, default=1024, help="largest part or model file taken in a PUT")
-    p.add_argument("--upload-mb", type=positive, default=2048, help="request bodies held at once while read")
-    p.add_argument("--cache-mb", type=positive, default=1024)
+    p.add_argument("--body-timeout-s", type=float, default=c.body_timeout_s,
+                   help="refuse a request body not complete within this")
+    p.add_argument("--max-connections-per-peer", type=positive, default=c.max_connections_per_peer,
+                   help="per client address")
+    p.add_argument("--max-object-mb", type=positive, default=c.max_object_mb,
+                   help="largest part or model file taken in a PUT")
+    p.add_argument("--upload-mb", type=positive, default=c.upload_mb, help="request bodies held at once while read")
+    p.add_argument("--cache-mb", type=positive, default=c.cache_mb)
     p.add_argument("--spill-dir", default=None, help="spill evicted objects here (default: drop them)")
-    p.add_argument("--spill-mb", type=positive, default=8192)
-    p.add_argument("--poll-ms", type=float, default=5.0, help="how often to list the parent for new objects")
-    p.add_argument("--idle-poll-ms", type=float, default=40.0,
+    p.add_argument("--spill-mb", type=positive, default=c.spill_mb)
+    p.add_argument("--poll-ms", type=float, default=1e3 * c.poll_s, help="how often to list the parent for new objects")
+    p.add_argument("--idle-poll-ms", type=float, default=1e3 * c.idle_poll_s,
                    help="the longest pause between listings while nothing new turns up")
-    p.add_argument("--write-through-poll-ms", type=float, default=1000.0,
+    p.add_argument("--write-through-poll-ms", type=float, default=1e3 * c.write_through_poll_s,
                    help="the same while senders write through this relay (listings then only catch writes that "
                         "went around it)")
-    p.add_argument("--dormant-after-s", type=float, default=60.0,
+    p.add_argument("--dormant-after-s", type=float, default=c.dormant_after_s,
                    help="after this long with nothing new in the parent or written through, list the parent "
                         "only every --dormant-poll-ms (an idle relay over S3 listed it 25 times a second)")
-    p.add_argument("--dormant-poll-ms", type=float, default=1000.0,
+    p.add_argument("--dormant-poll-ms", type=float, default=1e3 * c.dormant_poll_s,
                    help="the pause between listings of the parent once dormant")
-    p.add_argument("--passed-ttl-ms", type=float, default=60000.0,
+    p.add_argument("--passed-ttl-ms", type=float, default=1e3 * c.passed_ttl_s,
                    help="serve an ack or registration written through this relay from here for this long (a write "
                         "of the same key that went around the relay shows after at most this)")
     p.add_argument("--no-prefetch", action="store_true", help="fetch only on request")
@@ -218,7 +223,7 @@ def _relay_endpoints(args: argparse.Namespace) -> tuple[str, str, int]:
 
 def _relay(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.launcher import is_loopback  # start-up cost: only when this command runs
-    from nemo_dcr_callback.transport.relay import RelayConfig, serve  # start-up cost: aiohttp, only for a relay
+    from nemo_dcr_callback.transport.relay import serve  # start-up cost: aiohttp, only for a relay
 
     parent, host, port = _relay_endpoints(args)
     token = None if args.no_token else os.environ.get(args.token_env)
