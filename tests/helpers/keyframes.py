@@ -12,7 +12,8 @@ from nemo_dcr_callback.protocol import keys
 
 from . import REPO
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=160", "model.num_attention_heads=4",
+# head_dim 32: the smallest vLLM's CPU attention takes
+TINY = ["model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=352", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.vocab_size=256", "model.seq_length=16"]
 MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]
 FAMILY_ARGS = {
