@@ -35,14 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (2 on an error it reports)."""
     args = build_parser().parse_args(argv)
-    # start-up cost: these load torch (~1 s); --help, --version and usage errors exit before
-    from nemo_dcr_callback.codec import ChunkError
-    from nemo_dcr_callback.codec.checkpoint import CheckpointError
-    from nemo_dcr_callback.tools.deltafile import DeltaError
-
     try:
         return args._run(args)
-    except (DeltaError, ChunkError, CheckpointError, FileExistsError, ValueError) as exc:
+    # (the package's own errors, DeltaError, ChunkError, CheckpointError, RecordError, are
+    # ValueErrors: caught here without importing their modules, which load torch for every
+    # command, plan and relay included)
+    except (FileExistsError, ValueError) as exc:
         print(f"nemo-dcr {args.cmd}: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
