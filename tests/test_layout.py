@@ -266,3 +266,37 @@ def test_the_reason_check_sees_a_missing_reason():
     assert _reasonless_inner_imports("def f():\n    import json\n") == [2]
     assert _reasonless_inner_imports("def f():\n    import vllm  # optional\n") == []
     assert _reasonless_inner_imports("def f():\n    # boto3 is optional\n    import boto3\n    import x\n") == []
+
+
+# The layers of docs/ARCHITECTURE.md, lowest first: a module imports only its own layer and the
+# layers below (same-layer imports are checked by the other rules: leaves, sender and receiver
+# apart, no cycle). The package root (its version, the lazy DCRCallback) and bench/ and
+# testing/ (outside the product) are not layered.
+LAYERS = {"launcher": 0, "core": 0, "codec": 1, "placement": 1, "config": 2, "protocol": 3, "faults": 3,
+          "transport": 4, "sender": 5, "receiver": 5, "tools": 6, "integrations": 6, "recipes": 7, "cli": 7,
+          "commands": 7}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for m, targets in graph.items():
+        src = area(m)
+        if src not in LAYERS:
+            continue
+        for t in targets:
+            dst = area(t)
+            if dst in LAYERS and LAYERS[dst] > LAYERS[src] and not (src in ROOTS and dst in NOT_PRODUCT):
+                out.append(f"{m} (layer {LAYERS[src]}) imports {t} (layer {LAYERS[dst]})")
+    return out
+
+
+def test_imports_go_down_the_layers_of_the_architecture_page():
+    mods = modules()
+    assert {area(m) for m in mods} - {""} - set(NOT_PRODUCT) <= set(LAYERS), "a folder missing from LAYERS"
+    bad = layer_violations(package_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_violations({f"{NAME}.protocol.commit": {f"{NAME}.transport.store"}}) != []
+    assert layer_violations({f"{NAME}.transport.store": {f"{NAME}.protocol.keys"}}) == []
