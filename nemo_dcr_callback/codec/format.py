@@ -89,7 +89,7 @@ MAX_MEMBERS = 1 << 16  # tensors in one batched chunk
 # MAX_NAME_BYTES in all. A full honest batch (65,536 members, names of about 100 bytes) needs
 # about 7 MB of each; zstd stores a regular table 200x smaller, so the stored size bounds
 # nothing. A 10 KB chunk claiming 65,536 members of 4 KB names took about 300 MB before its
-# refusal; now at most about 50 MB.
+# refusal (issue 46's probe); these bounds allow at most about 50 MB.
 MAX_TABLE_BYTES = 16 << 20
 NAME_EXPANSION = 16
 MAX_NAME_BYTES = 32 << 20

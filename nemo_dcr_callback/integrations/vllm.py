@@ -192,7 +192,7 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[torch.Size, torch.dtyp
 
 def _store_digests(store, version: int) -> bool:
     """Does the store hold the digests of `version` (its record, or its keyframe's)?"""
-    return bool((commit.read_record(store, version) if version else None) or commit.read_keyframe(store, version))
+    return commit.version_digests(store, version) is not None
 
 
 def _check_against(target: LoaderTarget, model_dir: str) -> None:

@@ -149,6 +149,16 @@ def read_record(store, v: int) -> VersionRecord | None:
     return None if r is None else check("version", version_record(v), r)
 
 
+def version_digests(store, v: int) -> dict[str, str] | None:
+    """The per-tensor digests a holder of version v must match: its record's, or for version 0
+    (and any version held from its keyframe) its keyframe record's; None if the store has neither."""
+    rec = read_record(store, v) if v else None
+    if rec is not None:
+        return rec["digests"]
+    kf = read_keyframe(store, v)
+    return kf["digests"] if kf else None
+
+
 def list_versions(store) -> list[int]:
     """Every version that has objects in the store (sealed or not)."""
     return sorted(v for v in map(keys.version_of, store.children(keys.VERSIONS)) if v is not None)

@@ -79,15 +79,6 @@ def read_version(store, v: int) -> tuple[commit.VersionRecord, list[bytes]]:
     return rec, chunks
 
 
-def _expected(store, v: int) -> dict[str, str] | None:
-    """The per-tensor digests of version v: its record's, or its keyframe's (version 0)."""
-    rec = commit.read_record(store, v) if v else None
-    if rec is not None:
-        return rec["digests"]
-    kf = commit.read_keyframe(store, v)
-    return kf["digests"] if kf else None
-
-
 class Replica:
     """Canonical tensors (name -> tensor, changed in place) that follow a store's committed
     chain from `version`, which they must hold: checked against the store's digests here."""
@@ -96,19 +87,21 @@ class Replica:
         self.store, self.tensors, self.version = store, tensors, version
         self.changed: dict[int, int] = {}  # version applied -> elements it changed
         self.digests = {n: digest.sum64(t) for n, t in tensors.items()}
-        ref = _expected(store, version)
+        ref = commit.version_digests(store, version)
         if ref is not None:
             bad = sorted(n for n in ref if n not in self.digests or int(ref[n], 16) != self.digests[n])
             if bad:
                 raise codec.ChunkError(f"the tensors do not hold version {version}: tensor {bad[0]!r} differs "
                                        f"({len(bad)} tensors)")
 
-    def apply(self, v: int) -> int:
+    def apply(self, v: int, decided: bool = False) -> int:
         """Apply committed version v (its base must be the version held); returns the number
-        of changed elements. A bad chunk or digest raises codec.ChunkError."""
-        d = commit.read_decision(self.store, v)
-        if d is None or d["decision"] != "commit":
-            raise KeyError(f"version {v} is not committed ({d['decision'] if d else 'undecided'})")
+        of changed elements. A bad chunk or digest raises codec.ChunkError. decided: the caller
+        has read v's decision already (commit)."""
+        if not decided:
+            d = commit.read_decision(self.store, v)
+            if d is None or d["decision"] != "commit":
+                raise KeyError(f"version {v} is not committed ({d['decision'] if d else 'undecided'})")
         rec, chunks = read_version(self.store, v)
         if rec["base"] != self.version:
             raise codec.ChunkError(f"version {v} builds on {rec['base']}, the replica holds {self.version}")
@@ -141,7 +134,7 @@ class Replica:
             if self.version < u <= until:
                 d = commit.read_decision(self.store, u)
                 if d is not None and d["decision"] == "commit":
-                    self.apply(u)
+                    self.apply(u, decided=True)
         return self.version
 
 

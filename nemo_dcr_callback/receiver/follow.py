@@ -121,13 +121,7 @@ class Follower:
     def _check_held(self) -> None:
         """The target must hold exactly the bits of the version it claims (wrong model or
         wrong baseline are refused here, before anything is applied)."""
-        ref = None
-        rec = commit.read_record(self.store, self.version) if self.version else None
-        if rec is not None:
-            ref = rec["digests"]
-        else:
-            kf = commit.read_keyframe(self.store, self.version)
-            ref = kf["digests"] if kf else None
+        ref = commit.version_digests(self.store, self.version)
         if ref is None or self.digests is None:
             return
         missing = sorted(set(ref) - set(self.digests) - self.unchecked)

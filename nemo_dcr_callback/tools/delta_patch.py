@@ -23,8 +23,7 @@ from nemo_dcr_callback.tools.delta_manifest import DeltaError, _check_room, _ent
 from nemo_dcr_callback.tools.deltafile import DeltaFile, _Progress, file_digest
 
 
-def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest,
-                    recs: dict[str, dict] | None = None) -> torch.Tensor:
+def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest, recs: dict[str, dict]) -> torch.Tensor:
     """NEW's bits of one tensor: BASE's bits (or zeros for a tensor sent whole) with every
     chunk applied; its digest goes into new_digest (checked once every tensor is built).
     recs: every tensor's record by name (a batched chunk's other members are checked against
@@ -36,21 +35,20 @@ def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest,
     else:
         target = torch.zeros(rec["numel"], dtype=info.torch)
     def base_of(h: codec.ChunkHeader) -> torch.Tensor:
-        """BASE's bits of a tensor a context-coded chunk holds, checked against the chunk."""
+        """BASE's bits of a tensor a context-coded chunk holds (its header passed `check`)."""
         if h.name not in base.where:
             raise codec.ChunkError(f"chunk holds changes of {h.name!r}, which BASE does not have")
-        t = target if h.name == name else base.tensor(h.name).reshape(-1)
-        codec.check_target(h, t, h.name)
-        return t
+        return target if h.name == name else base.tensor(h.name).reshape(-1)
 
     def check(h: codec.ChunkHeader) -> None:
-        """A tensor's header in a chunk, against its target, before anything is decoded: a
-        claimed element count is what decoding allocates (a 13 KB delta claiming 2^27 elements
-        of a 256-element tensor took 1.9 GB before its refusal)."""
+        """Every tensor's header in a chunk, against its target (this tensor) or its record (a
+        batch's other members, whose BASE tensors step 1 matched to their records), before
+        anything is decoded: decoding allocates what a header claims (a 5.7 KB delta claiming
+        2^24 changes took 478 MB resident before its refusal, tests/security/test_patch_limits.py)."""
         if h.name == name:
             codec.check_target(h, target, name)
             return
-        other = (recs or {}).get(h.name)
+        other = recs.get(h.name)
         if other is None:
             raise codec.ChunkError(f"chunk holds changes of {h.name!r}, which the delta's manifest does not list")
         if h.dtype.torch != codec.dtype_info(other["dtype"]).torch or h.numel != other["numel"]:
@@ -59,7 +57,6 @@ def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest,
 
     for index, span in rec["chunks"]:
         for d in dfile.parts_for(index, span, name, base_of, check):
-            codec.check_target(d.header, target, name)
             codec.apply_decoded(d, target)
     new_digest.update(bytes.fromhex(codec.tensor_digest(target)))
     return bits(target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_dcr_callback import faults
+from nemo_dcr_callback.protocol.records import RECEIVER_RECORD_MAX
 
 # A relay that held a sender's write within this long counts as written through (its watcher
 # then lists the parent only every write_through_poll_s): a trainer's steps, and so its
@@ -68,7 +69,7 @@ class RelayConfig:
     max_record_uploads: int = 64  # receivers' record bodies read at once, in all
     max_record_uploads_per_peer: int = 16  # ... from one address (more get 429)
     record_body_timeout_s: float = 10.0  # a registration's or ack's body not complete within this: 408
-    max_record_bytes: int = 64 << 10  # a registration or an ack
+    max_record_bytes: int = RECEIVER_RECORD_MAX  # a registration or an ack: what readers take
     max_json_bytes: int = 64 << 20  # a rank manifest, version record, decision, keyframe record, stats
     max_object_mb: int = 1024  # a part, a keyframe's or verify's model.safetensors
 
