@@ -13,7 +13,7 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.rawbits import OP_ULP, OP_XOR, bits
-from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from tests.helpers.s3 import s3_states
@@ -37,7 +37,12 @@ def test_receiver_streams_a_version_while_it_is_written(s3_store, early):
     def after_chunk():
         import time
 
-        time.sleep(0.2)  # parts upload asynchronously: give this one time to land
+        # parts upload asynchronously: wait (bounded) until this chunk's part has landed; a fixed
+        # 0.2 s was too short for the first PUT to a SeaweedFS no earlier test had used
+        deadline = time.monotonic() + 10
+        while (sum(keys.is_part(k) for k in s3_store.list(commit.vdir(1))) <= len(seen)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         f.poll()  # the version is not sealed: the follower streams what is there
         st = f._parts.get(1)
         if st is not None:  # the fetches run in the store's pool: let them land
