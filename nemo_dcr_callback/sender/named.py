@@ -1,0 +1,193 @@
+"""Publishing from named canonical tensors: for trainers that hold (or gather) their weights
+as Hugging Face-named tensors (TRL, SkyRL and verl's actors, a vLLM `WeightSource`) rather
+than as Megatron shards with a placement.
+
+    pub = NamedPublisher("file:///shared/dcr", model.state_dict())   # keyframe 0, or resume
+    for step in ...:
+        train_step(...)
+        d = pub.publish(model.state_dict())    # delta, chunks, seal, joint commit: one call
+        if not d["committed"]: ...             # aborted: the next version covers the changes
+
+One rank, synchronous: the delta kernel, encoding and upload run in the caller (tensor by
+tensor, so parts upload while later tensors are diffed), then the version is sealed and the
+joint commit decides it. Committed, the baseline moves; aborted or failed, the baselines are
+restored bit for bit from the undo log and the next version carries the changes (XOR deltas
+compose). The Megatron path (sharded, in the background, many ranks) is Publisher.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from nemo_dcr_callback import codec
+from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.config import PART_BYTES, CommitPolicy
+from nemo_dcr_callback.core import cuda_kernels
+from nemo_dcr_callback.core.delta import Scratch, undo
+from nemo_dcr_callback.core.rawbits import SparseDelta
+from nemo_dcr_callback.protocol import commit, upload
+from nemo_dcr_callback.protocol.rebuild import committed_keyframes, reconstruct
+from nemo_dcr_callback.sender.shard import _host, _take
+from nemo_dcr_callback.transport.store import open_store
+
+__all__ = ["NamedPublisher", "NamedSender", "PublishError"]
+
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class PublishError(RuntimeError):
+    """A version could not be published (what was sent is rolled back; nothing is committed)."""
+
+
+class NamedSender:
+    """The delta and chunks of canonical tensors held whole (a Hugging Face state dict): no
+    placement, tensors split over `world` senders by name (round-robin). NamedPublisher
+    publishes with it; the link benchmark and tests use it directly."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu"):
+        self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
+        self.rank, self.world, self.span, self.level = rank, world, span, level
+        self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
+        cuda_kernels.check_baseline_option(baseline)
+        self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
+                          if b.is_cuda else b for n, b in self.baselines.items()}
+        self.digests = {n: digest.sum64(_host(b)) for n, b in self.baselines.items()}
+        self._scratch = Scratch()
+        self._side = cuda_kernels.SideStream()
+        self._undo: list[tuple[str, SparseDelta]] = []  # every delta taken since the last settle()
+
+    def _take_one(self, n: str, t: torch.Tensor) -> tuple[str, SparseDelta]:
+        self._undo.append((n, _take(t.detach().reshape(-1), self.baselines[n], self._scratch, self._side)))
+        return self._undo[-1]
+
+    def take(self) -> list[tuple[str, SparseDelta]]:
+        return [self._take_one(n, t) for n, t in self.tensors.items()]
+
+    def stream(self, store, v: int, base: int, part_bytes: int = PART_BYTES) -> tuple[list, dict]:
+        """take() and write() interleaved tensor by tensor: each tensor's chunks are encoded
+        and their parts uploaded while the kernel runs over the next tensors (the refit
+        starts moving bytes right after the first tensor). Returns (taken, manifest)."""
+        taken: list[tuple[str, SparseDelta]] = []
+
+        def lazily():  # a failed upload leaves what was taken in the undo log: roll_back() restores it
+            for n, t in self.tensors.items():
+                taken.append(self._take_one(n, t))
+                yield taken[-1]
+
+        m = self.write(store, v, base, lazily(), part_bytes=part_bytes)
+        return taken, m
+
+    def write(self, store, v: int, base: int, taken, part_bytes: int = PART_BYTES,
+              after_chunk: Callable[[], None] | None = None):
+        """Encode and stream one version's chunks (parts uploaded as they fill), then the
+        manifest with the moved digests (kept, for the next version, by settle())."""
+        w = upload.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
+        dig = dict(self.digests)
+        params = changed = 0
+        for n, d in taken:
+            params += d.numel
+            changed += d.count
+            if d.count:
+                terms = [0, 0]
+                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms):
+                    w.add(c)
+                    if after_chunk is not None:
+                        after_chunk()
+                dig[n] = digest.move(dig[n], terms)
+        m = w.finish(params, changed, dig)
+        self._pending = dig
+        return m
+
+    def settle(self) -> None:
+        """The joint commit committed the version written last: keep its digests, drop the undo."""
+        self.digests = self._pending
+        self._undo.clear()
+
+    def roll_back(self, taken: list[tuple[str, SparseDelta]] | None = None) -> None:
+        """Restore the baselines: of `taken`, or of everything since the last settle() (also a
+        version whose upload failed half-way)."""
+        ids = {id(d) for _, d in taken} if taken is not None else None
+        for n, d in reversed(self._undo if taken is None else taken):
+            undo(self.baselines[n], d)
+        self._undo = [] if ids is None else [(n, d) for n, d in self._undo if id(d) not in ids]
+
+
+class NamedPublisher:
+    """Publishes versions of a model held as named canonical tensors, one call per version.
+
+    `tensors` are the weights the receivers hold now. On an empty store they become keyframe 0
+    (with `config_json`, the model's config.json, so engines can start from it). On a store
+    with history the baseline is rebuilt from it (the newest committed version, digests
+    checked) and version numbers go on after the newest in the store; the first publish then
+    carries whatever differs from it."""
+
+    def __init__(self, store, tensors: Tensors, *, policy: CommitPolicy | None = None,
+                 config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
+                 log: Callable[[str], None] | None = None):
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.policy = policy or CommitPolicy()
+        self.part_bytes, self.seal_timeout, self.log = part_bytes, seal_timeout, log
+        current = _named(tensors)
+        last, newest, dangling = commit.resume_point(self.store)
+        if not committed_keyframes(self.store):
+            if newest:
+                raise PublishError(f"{self.store.url}: versions but no committed keyframe to rebuild them from")
+            commit.write_keyframe(self.store, 0, {n: t.detach().cpu() for n, t in current.items()}, config_json)
+            held = current
+        else:
+            commit.abort_dangling(self.store, dangling, "the publisher restarted")
+            held = reconstruct(self.store, last)
+            _check_names(held, current, f"the store's version {last}")
+            held = {n: t.to(current[n].device) for n, t in held.items()}
+        self.last, self.newest = last, newest  # last committed; newest version number used
+        self.sender = NamedSender(held, span=span, level=level)
+
+    def publish(self, tensors: Tensors, version: int | None = None) -> dict:
+        """One version: the delta of `tensors` against the last committed version, sent,
+        sealed and decided. Returns the decision with "committed", "bytes", "params" and
+        "changed". Raises PublishError (nothing committed, baselines restored) if it could not
+        be sent or sealed; an aborted version is a decision, not an error."""
+        v = self.newest + 1 if version is None else int(version)
+        if v <= self.newest:
+            raise PublishError(f"version {v}: the store already holds version {self.newest}; versions only increase")
+        current = _named(tensors)
+        _check_names(self.sender.tensors, current, "the baseline")
+        t0 = time.perf_counter()
+        self.sender.tensors = {n: current[n] for n in self.sender.tensors}
+        self.newest = v  # (a number used once, also by a version that failed)
+        try:
+            _, m = self.sender.stream(self.store, v, self.last, part_bytes=self.part_bytes)
+            rec = commit.seal_version(self.store, v, self.last, 1, timeout=self.seal_timeout)
+        except Exception as exc:
+            self.sender.roll_back()
+            commit.abort_dangling(self.store, [v], f"the publisher failed: {exc}")
+            raise PublishError(f"version {v} was not published: {exc}") from exc
+        d = commit.run_commit(self.store, rec, self.policy, log=self.log)
+        committed = d["decision"] == "commit"
+        if committed:
+            self.sender.settle()
+            self.last = v
+        else:
+            self.sender.roll_back()
+        return {**d, "committed": committed, "bytes": m["bytes"], "params": m["params"], "changed": m["changed"],
+                "publish_s": time.perf_counter() - t0}
+
+
+def _named(tensors: Tensors) -> dict[str, torch.Tensor]:
+    return dict(tensors.items() if isinstance(tensors, Mapping) else tensors)
+
+
+def _check_names(held: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], what: str) -> None:
+    """The same tensors, shapes and dtypes as `held`, or a PublishError naming the first difference."""
+    missing, extra = sorted(set(held) - set(got)), sorted(set(got) - set(held))
+    if missing or extra:
+        raise PublishError(f"the tensors differ from {what}: missing {missing[:3]}, unknown {extra[:3]}")
+    for n, t in got.items():
+        h = held[n]
+        if t.dtype != h.dtype or t.numel() != h.numel():
+            raise PublishError(f"{n}: {t.dtype} x {t.numel()} where {what} has {h.dtype} x {h.numel()}")

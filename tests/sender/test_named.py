@@ -1,0 +1,98 @@
+"""NamedPublisher: versions of HF-named tensors (the trainer side of the vLLM and verl
+integrations), checked against the sender's own dense tensors as the oracle through two
+independent readers: protocol.rebuild (keyframe + chain) and a receiver's Follower."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nemo_dcr_callback.config import CommitPolicy
+from nemo_dcr_callback.protocol import commit, keys
+from nemo_dcr_callback.protocol.rebuild import reconstruct
+from nemo_dcr_callback.receiver import Follower
+from nemo_dcr_callback.receiver.targets import StateDictTarget
+from nemo_dcr_callback.sender.named import NamedPublisher, PublishError
+from nemo_dcr_callback.transport.store import open_store
+
+from ..helpers.tensors import perturb, same_bits
+from ..helpers.versions import model
+
+
+def _next(state, g, rate=0.03):
+    return {k: perturb(t, rate, g) for k, t in state.items()}
+
+
+def test_publishes_a_chain_a_receiver_follows_bit_exact(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    state = model()
+    pub = NamedPublisher(store, state, config_json='{"model_type": "llama"}')
+    assert commit.keyframes(store) == [0]
+    assert store.get(keys.keyframe_config(0)) == b'{"model_type": "llama"}'
+    replica = {k: t.clone() for k, t in state.items()}
+    f = Follower(store, StateDictTarget(replica), 0, receiver_id="r0")
+    g = torch.Generator().manual_seed(3)
+    for v in range(1, 5):
+        before = {k: t.clone() for k, t in replica.items()}
+        state = _next(state, g)
+        # a receiver is registered: the joint commit waits for its ack, given in a thread
+        t = threading.Thread(target=f.follow, kwargs={"until": v, "timeout": 30})
+        t.start()
+        d = pub.publish(state)
+        t.join(30)
+        assert d["committed"] and d["version"] == v and d["acked"] == ["r0"]
+        assert 0 < d["changed"] < d["params"]
+        assert same_bits(replica, state) and not same_bits(before, state)
+        assert same_bits(reconstruct(store, v), state)
+
+
+def test_resumes_from_the_store_and_carries_what_differs(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    g = torch.Generator().manual_seed(4)
+    s0 = model()
+    pub = NamedPublisher(store, s0)
+    s1 = _next(s0, g)
+    assert pub.publish(s1)["committed"]
+    # a restarted trainer holds other weights (its checkpoint is older than the store's head)
+    s2 = _next(s0, g)
+    pub2 = NamedPublisher(store, s2)
+    assert pub2.last == 1 and pub2.newest == 1
+    d = pub2.publish(s2)
+    assert d["version"] == 2 and d["base"] == 1 and d["committed"]
+    assert same_bits(reconstruct(store, 2), s2)
+
+
+def test_an_aborted_version_rolls_back_and_the_next_covers_it(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    g = torch.Generator().manual_seed(5)
+    s0 = model()
+    pub = NamedPublisher(store, s0, policy=CommitPolicy(mode="abort", timeout=0.3))
+    commit.register(store, "gone", 0)  # a receiver that never acks: the version is aborted
+    s1 = _next(s0, g)
+    d = pub.publish(s1)
+    assert not d["committed"] and d["decision"] == "abort" and pub.last == 0
+    store.delete(["receivers/gone.json"])
+    s2 = _next(s1, g)
+    d = pub.publish(s2)
+    assert d["committed"] and d["version"] == 2 and d["base"] == 0
+    assert same_bits(reconstruct(store, 2), s2)
+
+
+def test_bad_input_is_refused_and_nothing_is_written(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    s0 = model()
+    pub = NamedPublisher(store, s0)
+    before = sorted(store.list(""))
+    wrong = dict(s0)
+    wrong["extra.w"] = torch.zeros(3, dtype=torch.bfloat16)
+    with pytest.raises(PublishError, match="unknown \\['extra.w'\\]"):
+        pub.publish(wrong)
+    with pytest.raises(PublishError, match="layer.0.w: torch.float32"):
+        pub.publish({k: t.float() if k == "layer.0.w" else t for k, t in s0.items()})
+    with pytest.raises(PublishError, match="versions only increase"):
+        pub.publish(s0, version=0)
+    assert sorted(store.list("")) == before
+    with pytest.raises(PublishError, match="missing \\['layer.3.w'\\]"):
+        NamedPublisher(store, {k: t for k, t in s0.items() if k != "layer.3.w"})
