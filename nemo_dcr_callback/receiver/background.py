@@ -200,9 +200,9 @@ class BackgroundFollower:
             v = self.version
             if v >= goal or self._refusal_seq > seq0:
                 break
-            d = commit.read_decision(self.store, v + 1)
-            if d is not None and d["decision"] != "commit":
-                break  # aborted: nothing to wait for
+            if all(_aborted(self.store, x) for x in range(v + 1, goal + 1)):
+                break  # every version up to the goal aborted: nothing to wait for (one aborted
+                # before the goal is skipped: the next version's base is the last committed)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"version {v + 1} was not ready within {timeout:.0f} s (holding {v})")
         with self._lock:
@@ -214,3 +214,8 @@ class BackgroundFollower:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def _aborted(store, v: int) -> bool:
+    d = commit.read_decision(store, v)
+    return d is not None and d["decision"] != "commit"

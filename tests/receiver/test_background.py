@@ -124,3 +124,25 @@ def test_stop_ends_the_thread(tmp_path):
     bf = BackgroundFollower(FileStore(tmp_path), {k: t.clone() for k, t in versions.model().items()}, 0)
     bf.stop()
     assert not bf._thread.is_alive()
+
+
+def test_an_aborted_version_before_the_goal_is_skipped_not_the_end_of_the_wait(tmp_path):
+    """apply_ready(until=2) with version 1 aborted waits for 2 (based on 0) and applies it; it
+    stopped at once before, holding 0, when called before the background had read 2."""
+    store = FileStore(tmp_path)
+    states = _states(2)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    s = TensorSender(states[0], 0, 1)
+    s.tensors = dict(states[1])
+    s.write(store, 1, 0, s.take())
+    commit.seal_version(store, 1, 0, 1, timeout=10)
+    commit.decide(store, 1, 0, "abort", [], [], "test")
+    bf = BackgroundFollower(store, tensors, 0, poll_s=0.2)
+    try:
+        # (2 is published after the follower started and before its next poll)
+        versions.publish(store, 2, 0, states[0], states[2])
+        up = bf.apply_ready(until=2, timeout=10)
+        assert up.applied == [2] and up.version == 2 and _same(tensors, states[2]), up
+        assert bf.apply_ready(until=2).applied == []  # everything up to the goal is aborted or held
+    finally:
+        bf.stop()
