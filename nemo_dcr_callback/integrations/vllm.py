@@ -48,21 +48,22 @@ from safetensors.torch import load_file
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.codec.checkpoint import Checkpoint
-from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, SERVED_DIR_ENV, STORE_ENV
+from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, EXT, SERVED_DIR_ENV, STORE_ENV
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver.background import BackgroundFollower
 from nemo_dcr_callback.receiver.targets.loader import LoaderTarget
 from nemo_dcr_callback.transport.store import open_store
 
 _KEEP = "_dcr_keeps_cpu_weights"
+BACKEND = "dcr"  # the name of the weight-transfer backend (integrations/vllm_transfer.py)
 
 
 def check_store_allowed(store_url: str) -> None:
     """Refuse a store other than the one the server was started for (PermissionError)."""
     pinned = os.environ.get(STORE_ENV)
     if pinned is not None and store_url != pinned and os.environ.get(ANY_STORE_ENV) != "1":
-        raise PermissionError(f"dcr_attach: this engine follows only the store it was started for; another store "
-                              f"needs the operator's {ANY_STORE_ENV}=1")
+        raise PermissionError(f"dcr: this engine follows only the store it was started for ({STORE_ENV}); another "
+                              f"store needs the operator's {ANY_STORE_ENV}=1")
 
 
 def check_reload_allowed(model_dir: str) -> None:
@@ -70,6 +71,22 @@ def check_reload_allowed(model_dir: str) -> None:
     served = os.environ.get(SERVED_DIR_ENV)
     if served is not None and Path(model_dir).resolve() != Path(served):
         raise PermissionError("dcr_reload_dense: this engine reloads only the folder it serves")
+
+
+def _follows_dcr() -> bool:
+    """Is the engine being loaded one that follows a DCR store (the `dcr` weight-transfer
+    backend or this worker extension)? The `vllm.general_plugins` entry point imports this
+    module into every vLLM process of a machine where nemo-dcr is installed; only those engines
+    keep their weights beside the packed ones (the memory it costs)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none  # optional: vllm is only in .venv-vllm
+    except ImportError:
+        return True
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:  # loaded outside vLLM's config context: keep (what an update needs)
+        return True
+    wt = cfg.weight_transfer_config
+    return (wt is not None and wt.backend == BACKEND) or cfg.parallel_config.worker_extension_cls == EXT
 
 
 def _keep_cpu_weights() -> None:
@@ -83,7 +100,10 @@ def _keep_cpu_weights() -> None:
     orig = utils.dispatch_cpu_unquantized_gemm
 
     def keep(layer, remove_weight: bool) -> None:
-        _dispatch_keeping(orig, layer)
+        if _follows_dcr():
+            _dispatch_keeping(orig, layer)
+        else:
+            orig(layer, remove_weight=remove_weight)
 
     utils.dispatch_cpu_unquantized_gemm = keep
     utils._dcr_dispatch = orig
@@ -128,6 +148,8 @@ def _keep_raw_experts() -> None:
     orig = cls.process_weights_after_loading
 
     def keep(self, layer) -> None:
+        if not _follows_dcr():
+            return orig(self, layer)
         raw = {n: getattr(layer, n) for n in _EXPERTS}
         orig(self, layer)
         if getattr(self, "_use_zentorch", False) or getattr(layer, "w13_bias", None) is not None:
@@ -283,135 +305,132 @@ class ShardedLoaderTarget(LoaderTarget):
         return terms
 
 
-class DCRWorkerExtension:
-    """Methods vLLM adds to its Worker (self.model_runner.model is the live model)."""
+def tp_group() -> _Group | None:
+    """This worker's tensor-parallel group, for the digests of sharded tensors (None: whole)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group  # optional: vllm is only in .venv-vllm
+    except ImportError:
+        return None
+    tp = get_tp_group()
+    return _Group(tp.cpu_group, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
 
-    def _dcr_group(self) -> _Group | None:
-        try:
-            from vllm.distributed.parallel_state import get_tp_group  # optional: vllm is only in .venv-vllm
-        except ImportError:
-            return None
-        tp = get_tp_group()
-        return _Group(tp.cpu_group, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
 
-    def dcr_attach(self, store_url: str, receiver_id: str | None = None, version: int | str = 0,
-                   model_dir: str | None = None, idle_poll_s: float | str = 0.2) -> int:
-        """Follow store_url from `version` (the version the engine was loaded with): the held
-        weights are checked against that version's digests, then a background thread starts
-        readying the next versions. With tensor parallelism only the first rank registers and
-        acks (one engine, one receiver). A relay's token is read from NEMO_DCR_RELAY_TOKEN in
-        the engine's environment, never passed."""
-        check_store_allowed(store_url)  # before anything changes: the engine goes on as it was
-        self.dcr_detach()
-        version = int(version)
-        model = self.model_runner.model
-        model_dir = model_dir or self.model_runner.model_config.model
-        group = self._dcr_group()
-        layout = _LoaderLayout(model)
+class EngineWeights:
+    """One vLLM worker's model as a DCR receiver: what the worker extension and the `dcr`
+    weight-transfer backend (integrations/vllm_transfer.py) share. `attach` checks the held
+    weights against a version's digests and starts the background follower; `update` applies,
+    at a step boundary, what it readied; `reload_dense` loads a whole checkpoint in place."""
 
-        def load(items):
-            with layout:
-                return model.load_weights(items)
+    def __init__(self, model: torch.nn.Module, model_dir: str, group: _Group | None):
+        self.model, self.model_dir, self.group = model, model_dir, group
+        self.layout = _LoaderLayout(model)
+        self.layers = _linear_layers(model)
+        self.moe = _expert_layers(self.layout)
+        self.target: ShardedLoaderTarget | None = None
+        self.follower: BackgroundFollower | None = None
+        self._args: tuple | None = None
 
-        with layout:  # (the loader's copies are learned into the loader-layout experts)
-            target = ShardedLoaderTarget(model, load, _checkpoint_shapes(model_dir), group)
-        self._dcr_moe = _expert_layers(layout)
+    def _load(self, items):
+        with self.layout:
+            return self.model.load_weights(items)
+
+    def attach(self, store_url: str, receiver_id: str | None = None, version: int = 0,
+               idle_poll_s: float = 0.2, strict: bool = False) -> int:
+        """Follow store_url from `version` (the version the engine holds): the weights are
+        checked against its digests (or, unless strict, the checkpoint's own bits when the
+        store has none: a store that starts empty), then a background thread readies the next
+        versions. With tensor parallelism only the first rank registers and acks (one engine,
+        one receiver)."""
+        self.detach()
+        with self.layout:  # (the loader's copies are learned into the loader-layout experts)
+            target = ShardedLoaderTarget(self.model, self._load, _checkpoint_shapes(self.model_dir), self.group)
         refused = sorted(n for n, ok in target.plain.items() if not ok)
         if refused:
             raise ValueError(f"vLLM's loader does not copy {refused[0]!r} (and {len(refused) - 1} more) as a plain "
                              f"copy: these cannot be updated in place")
         store = open_store(store_url)
         if not _store_digests(store, version):  # nothing in the store to check the weights against
-            _check_against(target, model_dir)
-        self._dcr_target, self._dcr_group_ = target, group
-        self._dcr_layers = self._linear_layers(model)
+            if strict:
+                raise ValueError(f"{store.url} holds no version {version} (no record, no keyframe): a wrong store, "
+                                 f"or a version its trainer has not published")
+            _check_against(target, self.model_dir)
+        self.target = target
         receiver_id = receiver_id or None  # ("" over HTTP)
-        self._dcr_args = (store, receiver_id if group is None or group.rank == 0 else None, float(idle_poll_s))
-        self._dcr_follow(version)
+        self._args = (store, receiver_id if self.group is None or self.group.rank == 0 else None, idle_poll_s)
+        self._follow(version)
         return version
 
-    def _dcr_follow(self, version: int) -> None:
-        store, rid, idle = self._dcr_args
-        self._dcr = BackgroundFollower(store, self._dcr_target, version, receiver_id=rid, idle_poll_s=idle)
+    def _follow(self, version: int) -> None:
+        store, rid, idle = self._args
+        self.follower = BackgroundFollower(store, self.target, version, receiver_id=rid, idle_poll_s=idle)
 
-    def dcr_detach(self) -> None:
+    @property
+    def store(self):
+        return self._args[0] if self._args else None
+
+    @property
+    def version(self) -> int:
+        return self.follower.version if self.follower is not None else -1
+
+    def detach(self) -> None:
         """Stop following (the weights stay as they are)."""
-        if getattr(self, "_dcr", None) is not None:
-            self._dcr.stop()
-            self._dcr = None
+        if self.follower is not None:
+            self.follower.stop()
+            self.follower = None
 
-    @staticmethod
-    def _linear_layers(model) -> dict[int, torch.nn.Module]:
-        """Modules whose weights vLLM's CPU dispatch packed, by their weight's storage."""
-        return {p.untyped_storage().data_ptr(): m for m in model.modules()
-                if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
-                for p in [m.weight]}
-
-    def _dcr_follower(self):
-        if getattr(self, "_dcr", None) is None:
-            raise RuntimeError("dcr_update before dcr_attach")
-        return self._dcr
-
-    def dcr_update(self, until: int | str | None = None, wait: bool | str = True,
-                   timeout: float | str = 600.0) -> dict:
-        """Apply the versions readied in the background: with wait (default) every version
-        sealed now (or up to `until`) once it is decided, else only what is ready. Returns the
-        version held, the versions applied, the pause (load_s: the applies; repack_s: CPU
-        only), the background's fetch+verify+decode time and why a version was refused."""
-        bf = self._dcr_follower()
-        wait = _flag(wait)
-        until = None if until in (None, "", "None") else int(until)
-        if self._dcr_group_ is not None:  # every rank applies the same versions (the digests' sums)
+    def update(self, until: int | None = None, wait: bool = True, timeout: float = 600.0) -> dict:
+        """Apply the versions readied in the background: with wait every version sealed now
+        (or up to `until`) once it is decided, else only what is ready. Returns the version
+        held, the versions applied, the pause (load_s: the applies; repack_s: CPU only), the
+        background's fetch+verify+decode time and why a version was refused."""
+        bf = self.follower
+        if bf is None:
+            raise RuntimeError("no store attached: attach (dcr_attach, init_weight_transfer_engine) first")
+        if self.group is not None:  # every rank applies the same versions (the digests' sums)
             if wait:  # what any rank waits for, all do
-                until = self._dcr_group_.max(until if until is not None else bf.sealed_after(bf.version))
+                until = self.group.max(until if until is not None else bf.sealed_after(bf.version))
             else:  # what every rank has ready
-                until = -self._dcr_group_.max(-bf.ready_version())
+                until = -self.group.max(-bf.ready_version())
             wait = True
         t0 = time.perf_counter()
-        up = bf.apply_ready(until=until, wait=wait, timeout=float(timeout))
-        repack_s = self._repack(up.changed) if up.applied else 0.0
+        up = bf.apply_ready(until=until, wait=wait, timeout=timeout)
+        repack_s = self.repack(up.changed) if up.applied else 0.0
         return {"version": up.version, "applied": up.applied, "load_s": up.load_s, "repack_s": repack_s,
                 "pause_s": up.load_s + repack_s, "fetch_decode_s": up.fetch_s,
                 "call_s": time.perf_counter() - t0, "refused": up.refused}
 
-    def dcr_reload_dense(self, model_dir: str, version: int | str) -> dict:
+    def reload_dense(self, model_dir: str, version: int) -> dict:
         """Load every weight of a dense checkpoint in place through load_weights (a resync, e.g.
         from a keyframe after the chain broke, and the benchmark's comparison); a follower then
         goes on from `version`, the weights checked against its digests first (refused: the
         engine follows nothing until a resync is accepted)."""
-        check_reload_allowed(model_dir)
-        following = hasattr(self, "_dcr_args")  # attached once: follow on (also after a refused resync)
-        self.dcr_detach()
+        following = self._args is not None  # attached once: follow on (also after a refused resync)
+        self.detach()
         t0 = time.perf_counter()
         weights = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             weights.update(load_file(str(f)))
         read_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model = self.model_runner.model
-        with torch.no_grad(), _LoaderLayout(model):
-            model.load_weights(iter(sorted(weights.items())))
-        if not hasattr(self, "_dcr_layers"):  # (not attached yet: what the repack needs)
-            self._dcr_layers = self._linear_layers(model)
-            self._dcr_moe = _expert_layers(_LoaderLayout(model))
+        with torch.no_grad():
+            self._load(iter(sorted(weights.items())))
         load_s = time.perf_counter() - t0
-        repack_s = self._repack(None)
+        repack_s = self.repack(None)
         if following:
-            self._dcr_target.refresh()
-            self._dcr_follow(int(version))
+            self.target.refresh()
+            self._follow(int(version))
         return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 
-    def _repack(self, names: set[str] | None) -> float:
+    def repack(self, names: set[str] | None) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote (names: the
         canonical tensors changed; None: every layer), linear layers and prepacked experts."""
-        moe = getattr(self, "_dcr_moe", {})
-        if not self._dcr_layers and not moe:
+        if not self.layers and not self.moe:
             return 0.0
-        layers, experts = list(self._dcr_layers.values()), list({id(m): m for m in moe.values()}.values())
+        layers, experts = list(self.layers.values()), list({id(m): m for m in self.moe.values()}.values())
         if names is not None:
-            keys = self._dcr_target.destinations(names)
-            layers = [m for k, m in self._dcr_layers.items() if k in keys]
-            experts = list({id(m): m for k, m in moe.items() if k in keys}.values())
+            keys = self.target.destinations(names)
+            layers = [m for k, m in self.layers.items() if k in keys]
+            experts = list({id(m): m for k, m in self.moe.items() if k in keys}.values())
         t0 = time.perf_counter()
         if layers:
             from vllm.model_executor.layers import utils  # optional: vllm is only in .venv-vllm
@@ -423,15 +442,68 @@ class DCRWorkerExtension:
                 m._dcr_pack()
         return time.perf_counter() - t0
 
+
+def _linear_layers(model) -> dict[int, torch.nn.Module]:
+    """Modules whose weights vLLM's CPU dispatch packed, by their weight's storage."""
+    return {p.untyped_storage().data_ptr(): m for m in model.modules()
+            if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            for p in [m.weight]}
+
+
+class DCRWorkerExtension:
+    """Methods vLLM adds to its Worker (self.model_runner.model is the live model)."""
+
+    def _dcr_weights(self, model_dir: str | None = None) -> EngineWeights:
+        model_dir = model_dir or self.model_runner.model_config.model
+        w = getattr(self, "_dcr_w", None)
+        if w is None or w.model_dir != model_dir:
+            if w is not None:
+                w.detach()
+            w = self._dcr_w = EngineWeights(self.model_runner.model, model_dir, tp_group())
+        return w
+
+    def dcr_attach(self, store_url: str, receiver_id: str | None = None, version: int | str = 0,
+                   model_dir: str | None = None, idle_poll_s: float | str = 0.2) -> int:
+        """Follow store_url from `version` (the version the engine was loaded with; see
+        EngineWeights.attach). A relay's token is read from NEMO_DCR_RELAY_TOKEN in the
+        engine's environment, never passed."""
+        check_store_allowed(store_url)  # before anything changes: the engine goes on as it was
+        return self._dcr_weights(model_dir).attach(store_url, receiver_id, int(version), float(idle_poll_s))
+
+    def dcr_detach(self) -> None:
+        """Stop following (the weights stay as they are)."""
+        if getattr(self, "_dcr_w", None) is not None:
+            self._dcr_w.detach()
+
+    def dcr_update(self, until: int | str | None = None, wait: bool | str = True,
+                   timeout: float | str = 600.0) -> dict:
+        """EngineWeights.update, arguments as vLLM's HTTP /collective_rpc passes them."""
+        w = getattr(self, "_dcr_w", None)
+        if w is None or w.follower is None:
+            raise RuntimeError("dcr_update before dcr_attach")
+        until = None if until in (None, "", "None") else int(until)
+        return w.update(until=until, wait=_flag(wait), timeout=float(timeout))
+
+    def dcr_reload_dense(self, model_dir: str, version: int | str) -> dict:
+        """EngineWeights.reload_dense, from the served model's folder only."""
+        check_reload_allowed(model_dir)
+        w = getattr(self, "_dcr_w", None) or self._dcr_weights()
+        return w.reload_dense(model_dir, int(version))
+
     def dcr_version(self) -> int:
-        return self._dcr.version if getattr(self, "_dcr", None) is not None else -1
+        w = getattr(self, "_dcr_w", None)
+        return w.version if w is not None else -1
 
     def dcr_params(self) -> dict[str, bytes]:
         """Every parameter's raw bytes, in vLLM's own (fused, sharded) layout: for checks."""
-        return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                for n, p in self.model_runner.model.named_parameters()}
+        return params_bytes(self.model_runner.model)
 
     def dcr_param_digests(self) -> dict[str, str]:
         """Every parameter's digest (hex), in vLLM's layout: the same check over HTTP (`vllm
         serve`'s /collective_rpc answers JSON)."""
         return {n: digest.hexd(digest.sum64(p.detach())) for n, p in self.model_runner.model.named_parameters()}
+
+
+def params_bytes(model: torch.nn.Module) -> dict[str, bytes]:
+    """Every parameter's raw bytes, in vLLM's own (fused, sharded) layout."""
+    return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, p in model.named_parameters()}

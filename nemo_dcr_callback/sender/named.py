@@ -123,27 +123,31 @@ class NamedPublisher:
     (with `config_json`, the model's config.json, so engines can start from it). On a store
     with history the baseline is rebuilt from it (the newest committed version, digests
     checked) and version numbers go on after the newest in the store; the first publish then
-    carries whatever differs from it."""
+    carries whatever differs from it (tensors None: resume from the store alone)."""
 
-    def __init__(self, store, tensors: Tensors, *, policy: CommitPolicy | None = None,
+    def __init__(self, store, tensors: Tensors | None, *, policy: CommitPolicy | None = None,
                  config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
                  log: Callable[[str], None] | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()
         self.part_bytes, self.seal_timeout, self.log = part_bytes, seal_timeout, log
-        current = _named(tensors)
+        current = None if tensors is None else _named(tensors)
         last, newest, dangling = commit.resume_point(self.store)
         if not committed_keyframes(self.store):
             if newest:
                 raise PublishError(f"{self.store.url}: versions but no committed keyframe to rebuild them from")
+            if current is None:
+                raise PublishError(f"{self.store.url} is empty: the first publisher gives the weights the receivers "
+                                   "hold (keyframe 0)")
             commit.write_keyframe(self.store, 0, {n: t.detach().cpu() for n, t in current.items()}, config_json)
             held = current
         else:
             commit.abort_dangling(self.store, dangling, "the publisher restarted")
             held = reconstruct(self.store, last)
-            _check_names(held, current, f"the store's version {last}")
-            held = {n: t.to(current[n].device) for n, t in held.items()}
+            if current is not None:
+                _check_names(held, current, f"the store's version {last}")
+                held = {n: t.to(current[n].device) for n, t in held.items()}
         self.last, self.newest = last, newest  # last committed; newest version number used
         self.sender = NamedSender(held, span=span, level=level)
 

@@ -13,7 +13,7 @@ VERSIONS = 3  # dense_versions' versions after version 0
 PROMPTS = [{"prompt_token_ids": [1, 5, 9, 33, 2, 71]}, {"prompt_token_ids": [7, 7, 100, 3]}]
 
 
-def dense_versions(tmp_path, family: str = "llama"):
+def dense_versions(tmp_path, family: str = "llama", versions: int = VERSIONS):
     """llama: untied embeddings, GQA; qwen2: QKV biases, tied embeddings, a vocabulary vLLM
     pads (500 -> 512 rows, the padding zeroed by its loader)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -36,7 +36,7 @@ def dense_versions(tmp_path, family: str = "llama"):
     # the canonical tensors are the checkpoint's (a tied lm_head is not one of them)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     states = [{k: v.clone() for k, v in model.state_dict().items() if k not in tied}]
-    for v in range(VERSIONS + 1):
+    for v in range(versions + 1):
         if v:
             nxt = optimizer_step(states[-1], g)
             states.append(nxt)

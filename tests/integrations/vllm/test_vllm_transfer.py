@@ -1,0 +1,204 @@
+"""`dcr` as vLLM's weight-transfer backend, selected by configuration only
+(`weight_transfer_config={"backend": "dcr"}`: the package's `vllm.general_plugins` entry point
+registers it; no worker extension), driven by vLLM's own API: `LLM`'s weight-update methods,
+and the HTTP routes of `vllm serve` through vLLM's HTTP client.
+
+The trainer side is DCRTrainerWeightTransferEngine through vLLM's WeightTransferTrainerFactory,
+over vLLM's ModuleSource of a transformers model: it publishes each version (the engine acks
+into the joint commit) and has the engine apply it. The oracle for version v is a fresh engine
+loaded from v's dense export (`save_pretrained`), with the same configuration: after every
+version, vLLM's own weight checksums (SHA-256 of every parameter) are identical, and so are
+greedy tokens and logprobs. Bad input (another store, a version not in it, an aborted one, a
+corrupt part) is an error and leaves the weights as they were."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="needs vLLM (make test-vllm builds .venv-vllm)")
+
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
+
+from nemo_dcr_callback.config import CommitPolicy  # noqa: E402
+from nemo_dcr_callback.integrations.vllm_transfer import DCRTrainerInitInfo, HTTPClient, LLMClient  # noqa: E402
+from nemo_dcr_callback.protocol import commit  # noqa: E402
+from nemo_dcr_callback.sender.named import NamedSender  # noqa: E402
+from nemo_dcr_callback.transport.store import FileStore  # noqa: E402
+from tests.helpers.vllm_engines import PROMPTS, dense_versions, generate, stop_engine  # noqa: E402
+
+N = 5
+BACKEND = {"backend": "dcr"}
+ARGS = dict(skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+            gpu_memory_utilization=0.1)
+
+
+def _engine(model_dir):
+    return vllm.LLM(model=str(model_dir), weight_transfer_config=BACKEND, **ARGS)
+
+
+def _checksums(llm) -> dict[str, str]:
+    out = {}
+    for part in llm.collective_rpc("compute_weight_checksums"):
+        out.update(part)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """Versions 0..N of a tiny Llama, and for 1..N a fresh engine's checksums and generation."""
+    states, dirs = dense_versions(tmp_path_factory.mktemp("dense"), versions=N)
+    sums, gens = [None], [None]
+    for v in range(1, N + 1):
+        b = _engine(dirs[v])
+        sums.append(_checksums(b))
+        gens.append(generate(b))
+        stop_engine(b)
+    return states, dirs, sums, gens
+
+
+def _trainer(dirs, store_url: str, client):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dirs[0], torch_dtype=torch.bfloat16)
+    info = DCRTrainerInitInfo(store=store_url, rank=0, receiver_id="rollout-0", commit_timeout_s=120)
+    return model, WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+
+
+def _corrupt_version(store, v: int, base: int, old, new) -> None:
+    """Version v written with one part damaged before it is sealed, then committed (no receiver
+    awaited): every engine that reads it must refuse it."""
+    s = NamedSender(old)
+    s.tensors = dict(new)
+    s.write(store, v, base, s.take())
+    part = next(k for k in store.list(commit.vdir(v)) if k.endswith(".dcr"))
+    blob = bytearray(store.get(part))
+    blob[len(blob) // 2] ^= 0x20
+    store.delete([part])
+    store.put(part, bytes(blob))
+    rec = commit.seal_version(store, v, base, 1, timeout=30)
+    commit.run_commit(store, rec, CommitPolicy(), expected=[])
+
+
+def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
+    states, dirs, sums, gens = oracle
+    store = FileStore(tmp_path / "store")
+    llm = _engine(dirs[0])
+    model, trainer = _trainer(dirs, store.url, LLMClient(llm))
+    assert "rollout-0" in commit.receivers(store)
+    for v in range(1, N + 1):
+        model.load_state_dict(states[v], strict=False)
+        d = trainer.send_weights()
+        assert d["committed"] and d["version"] == v and d["acked"] == ["rollout-0"], d
+        assert 0 < d["changed"] < d["params"]
+        assert llm.get_weight_version() == str(v)
+        assert _checksums(llm) == sums[v], f"version {v}: weights differ from a fresh load"
+        assert generate(llm) == gens[v], f"version {v}: generation differs from a fresh load"
+
+    # bad input: an error naming it, and the weights as they were
+    def refused(call, match):
+        with pytest.raises(Exception, match=match):
+            call()
+        assert _checksums(llm) == sums[N] and generate(llm) == gens[N]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(lambda: llm.init_weight_transfer_engine({"init_info": {"store": f"file://{empty}"}}),
+            "holds no version 0")
+    client = LLMClient(llm)
+
+    def update(v):
+        client.start_weight_update()
+        client.update_weights({"version": v, "timeout_s": 30})
+
+    refused(lambda: update(N + 7), f"version {N + 7} is not in")
+    rec_base = N
+    s = NamedSender(states[N])
+    s.tensors = dict(states[N - 1])
+    s.write(store, N + 1, rec_base, s.take())
+    commit.seal_version(store, N + 1, rec_base, 1, timeout=30)
+    commit.decide(store, N + 1, rec_base, "abort", [], [], "the trainer gave up")
+    refused(lambda: update(N + 1), f"version {N + 1} was not committed")
+    _corrupt_version(store, N + 2, rec_base, states[N], states[N - 1])
+    refused(lambda: update(N + 2), "checksum")
+    stop_engine(llm)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(base: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{path}: HTTP {exc.code}: {exc.read()[:400]!r}") from exc
+
+
+def _generate(base: str, prompt: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and their top-2 logprobs through vLLM's token-in, token-out route (the
+    OpenAI routes need a tokenizer for logprobs; this model has none)."""
+    c = _post(base, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+        "max_tokens": 8, "temperature": 0, "logprobs": 2}})["choices"][0]
+    steps = [{x["token_id"]: x["logprob"] for x in [step, *step["top_logprobs"]]} for step in c["logprobs"]["content"]]
+    return c["token_ids"], steps
+
+
+def test_vllm_serve_follows_over_http(tmp_path, oracle):
+    states, dirs, sums, gens = oracle
+    store = FileStore(tmp_path / "store")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
+           "--model", str(dirs[0]), "--host", "127.0.0.1", "--port", str(port),
+           "--weight-transfer-config", json.dumps(BACKEND), "--skip-tokenizer-init", "--dtype", "bfloat16",
+           "--enforce-eager", "--max-model-len", "128", "--gpu-memory-utilization", "0.1", "--seed", "0",
+           "--enable-scale-out"]  # (the token-in, token-out route: logprobs without a tokenizer)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", NEMO_DCR_VLLM_STORE=store.url)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"vllm serve exited with status {proc.returncode}"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except (urllib.error.URLError, OSError):
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        # the server is pinned to its store: another is refused before anything changes
+        with pytest.raises(AssertionError, match="HTTP 500"):  # (vLLM answers 500 with no message)
+            _post(base, "/init_weight_transfer_engine", {"init_info": {"store": f"file://{tmp_path}/other"}})
+        model, trainer = _trainer(dirs, store.url, HTTPClient(base))
+        for v in range(1, N + 1):
+            model.load_state_dict(states[v], strict=False)
+            d = trainer.send_weights()
+            assert d["committed"] and d["version"] == v and d["acked"] == ["rollout-0"], d
+            got = _post(base, "/weight_checker", {"action": "compare", "baseline": sums[v]})
+            assert got == {"match": True, "mismatches": []}, f"version {v}: {got}"
+            got = [_generate(base, p["prompt_token_ids"]) for p in PROMPTS]
+            assert got == [(list(t), lp) for t, lp in gens[v]], f"version {v}: generation differs from a fresh load"
+        with urllib.request.urlopen(base + "/weight_info", timeout=30) as r:
+            assert json.loads(r.read())["weight_version"] == str(N)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
