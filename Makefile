@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi test-vllm placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo test-mpi test-vllm test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
@@ -86,6 +86,28 @@ $(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 test-vllm: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
+# verl 0.9.1 driving the `dcr` checkpoint engine (integrations/verl.py), in its own environment.
+# verl's `cpu` extra pins torch==2.11.0 (a multi-GB CUDA build from PyPI) and its base
+# requirements pull ray[default], wandb, tensorboard, peft and accelerate, none of which its
+# checkpoint-engine code needs. So verl is installed with --no-deps, next to what importing
+# verl.checkpoint_engine and verl.workers.engine_workers needs (VERL_DEPS: plain ray, tensordict
+# and transformers within verl's ranges; codetiming, datasets, fastapi, uvicorn and pillow, which
+# those imports reach), all on one command line with $(TORCH), so torch stays the local 2.13.0
+# CPU wheel. About 70 s to set up.
+VERL_VENV := .venv-verl
+VERL_DEPS := "ray==2.60.0" "tensordict==0.10.0" "transformers>=5.5.3,<5.11,!=5.6.0" codetiming datasets \
+	fastapi uvicorn pillow
+$(VERL_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q "$(TORCH)"
+	$(VERL_VENV)/bin/pip install -q -e ".[dev]" $(VERL_DEPS) "$(TORCH)"
+	$(VERL_VENV)/bin/pip install -q --no-deps "verl==0.9.1"
+	touch $@
+
+test-verl: $(VERL_VENV)/.setup-done
+	$(VERL_VENV)/bin/python -m pytest -q tests/integrations/verl
+
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement
 
@@ -134,5 +156,5 @@ wheel-smoke: setup
 	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
 
 clean:
-	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) $(VLLM_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) $(VLLM_VENV) $(NEMO_VENV) $(VERL_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache
 	rm -f nemo_dcr_callback/_lib/*.so nemo_dcr_callback/_lib/BUILD.json
