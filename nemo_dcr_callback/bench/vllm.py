@@ -40,11 +40,15 @@ def _vllm_patch(worker, patches: list[tuple]) -> dict:
     with torch.no_grad():
         load_checkpoint_weight_patches(worker.model_runner.model, ps)
     load_s = time.perf_counter() - t0
-    return {"load_s": load_s, "repack_s": worker._repack({p.name for p in ps})}
+    return {"load_s": load_s, "repack_s": worker._dcr_w.repack({p.name for p in ps})}
 
 
 def _model(tmp: Path, hidden: int, layers: int, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Version 0 (its tensors and checkpoint folder), and the environment the engine needs."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: only where the bench runs
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64, num_hidden_layers=layers,
@@ -67,8 +71,6 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
     from nemo_dcr_callback.testing.tensor_sender import publish
     from nemo_dcr_callback.transport.store import FileStore
 
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     rows = []
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
@@ -114,21 +116,117 @@ def run(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: in
                    "load_vs_dense": dcr["load_s"] / dense["load_s"],
                    "pause_vs_dense": (dcr["load_s"] + dcr["repack_s"]) / (dense["load_s"] + dense["repack_s"])}
             rows.append(row)
-            print(f"{100 * rate:5.0f}% {100 * row['lines_touched']:5.0f}% {row['fetch_decode_s']:11.3f}s "
-                  f"{row['dcr_load_s']:8.3f}s "
-                  f"{row['dense_load_s']:9.3f}s {row['vllm_patch_load_s']:11.3f}s {row['dcr_repack_s']:6.3f}s "
-                  f"{row['load_vs_dense']:10.2f} {row['pause_vs_dense']:11.2f}", flush=True)
+            print(_line(row), flush=True)
         llm.llm_engine.engine_core.shutdown()
     keys = ["lines_touched", "fetch_decode_s", "dcr_load_s", "dcr_repack_s", "dense_load_s", "dense_repack_s",
             "vllm_patch_load_s", "vllm_patch_repack_s", "load_vs_dense", "pause_vs_dense"]
+    return _finish(rows, rates, keys, _line, reps, json_path, vllm.__version__)
+
+
+def _line(m: dict) -> str:
+    return (f"{100 * m['rate']:5.0f}% {100 * m['lines_touched']:5.0f}% {m['fetch_decode_s']:11.3f}s "
+            f"{m['dcr_load_s']:8.3f}s {m['dense_load_s']:9.3f}s {m['vllm_patch_load_s']:11.3f}s "
+            f"{m['dcr_repack_s']:6.3f}s {m['load_vs_dense']:10.2f} {m['pause_vs_dense']:11.2f}")
+
+
+def _finish(rows: list[dict], rates, keys: list[str], line, reps: int, json_path: str | None, version: str) -> dict:
+    """The medians per rate, printed with `line`, and the results written."""
     medians = [{"rate": r, **{k: statistics.median(x[k] for x in rows if x["rate"] == r) for k in keys}}
                for r in rates]
     print("medians:")
     for m in medians:
-        print(f"{100 * m['rate']:5.0f}% {100 * m['lines_touched']:5.0f}% {m['fetch_decode_s']:11.3f}s "
-              f"{m['dcr_load_s']:8.3f}s {m['dense_load_s']:9.3f}s {m['vllm_patch_load_s']:11.3f}s "
-              f"{m['dcr_repack_s']:6.3f}s {m['load_vs_dense']:10.2f} {m['pause_vs_dense']:11.2f}", flush=True)
-    res = {"rows": rows, "medians": medians, "reps": reps, "vllm": vllm.__version__, "machine": machine()}
+        print(line(m), flush=True)
+    res = {"rows": rows, "medians": medians, "reps": reps, "vllm": version, "machine": machine()}
     if json_path:
         write_json(json_path, res)
     return res
+
+
+# ------------------------------------------------------------------ the `dcr` weight-transfer backend
+def _dense_load(worker, model_dir: str) -> dict:
+    """Worker side: the baseline without NCCL on CPU, every weight of a dense checkpoint through
+    the model's load_weights in place, then the CPU repack (the engine's pause for a dense
+    refit whose bytes are already local)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    w = worker.weight_transfer_engine.weights
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        w._load(iter(sorted(weights.items())))
+    load_s = time.perf_counter() - t0
+    return {"load_s": load_s, "repack_s": w.repack(None)}
+
+
+def _backend_last(worker) -> dict:
+    """Worker side: the figures of the backend's last update (pause, fetch+decode)."""
+    return worker.weight_transfer_engine.last
+
+
+def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: int = 32000,
+                json_path: str | None = None, reps: int = 3) -> dict:
+    """vLLM's weight-transfer API with backend `dcr` (LLM(weight_transfer_config=...) and the
+    trainer engine through vLLM's factory): per version, the bytes sent against the dense
+    checkpoint's, and the engine's pause (the apply, with the CPU repack) against a dense
+    in-place load_weights of the same weights."""
+    import vllm
+    from safetensors.torch import save_file
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from nemo_dcr_callback.bench.fp8 import ulp_step
+    from nemo_dcr_callback.integrations.vllm_transfer import DCRTrainerInitInfo, LLMClient
+    from nemo_dcr_callback.transport.store import FileStore
+
+    rows = []
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        s0, d0 = _model(tmp, hidden, layers, vocab)
+        params = sum(t.numel() for t in s0.values())
+        dense_bytes = sum(t.numel() * t.element_size() for t in s0.values())
+        print(f"vLLM {vllm.__version__}, weight-transfer backend dcr, Llama {params / 1e6:.0f}M parameters "
+              f"(hidden {hidden}, {layers} layers)", flush=True)
+        llm = vllm.LLM(model=str(d0), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                       max_model_len=128, weight_transfer_config={"backend": "dcr"}, gpu_memory_utilization=0.1)
+        store = FileStore(tmp / "store")
+        info = DCRTrainerInitInfo(store=store.url, rank=0, receiver_id="bench")
+        trainer = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=_States(s0))
+        print(f"{'change':>6} {'sent':>10} {'dense':>10} {'dense/sent':>10} {'send':>8} {'fetch+decode':>12} "
+              f"{'DCR pause':>9} {'dense pause':>11} {'pause/dense':>11}", flush=True)
+        state = s0
+        for v, rate in enumerate([r for r in rates for _ in range(reps)], start=1):
+            state = ulp_step(state, rate, seed=v)
+            t0 = time.perf_counter()
+            d = trainer.send_weights(state.items())
+            send_s = time.perf_counter() - t0
+            assert d["committed"] and d["version"] == v, d
+            last = llm.collective_rpc(_backend_last)[0]
+            dv = tmp / f"dense-{v}"
+            dv.mkdir()
+            save_file(state, str(dv / "model.safetensors"))
+            dense = llm.collective_rpc(_dense_load, args=(str(dv),))[0]
+            dense_pause = dense["load_s"] + dense["repack_s"]
+            row = {"version": v, "rate": rate, "params": params, "sent_bytes": d["bytes"], "dense_bytes": dense_bytes,
+                   "dense_vs_sent": dense_bytes / d["bytes"], "send_s": send_s, "publish_s": d["publish_s"],
+                   "fetch_decode_s": last["fetch_decode_s"], "dcr_pause_s": last["pause_s"],
+                   "dense_pause_s": dense_pause, "pause_vs_dense": last["pause_s"] / dense_pause}
+            rows.append(row)
+            print(_backend_line(row), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+    keys = ["sent_bytes", "dense_bytes", "dense_vs_sent", "send_s", "fetch_decode_s", "dcr_pause_s", "dense_pause_s",
+            "pause_vs_dense"]
+    return _finish(rows, rates, keys, _backend_line, reps, json_path, vllm.__version__)
+
+
+def _backend_line(m: dict) -> str:
+    return (f"{100 * m['rate']:5.0f}% {m['sent_bytes'] / 1e6:8.2f}MB {m['dense_bytes'] / 1e6:8.2f}MB "
+            f"{m['dense_vs_sent']:10.1f} {m['send_s']:7.3f}s {m['fetch_decode_s']:11.3f}s "
+            f"{m['dcr_pause_s']:8.3f}s {m['dense_pause_s']:10.3f}s {m['pause_vs_dense']:11.2f}")
+
+class _States:
+    """A vLLM WeightSource over a dict of named tensors (the trainer's initial weights)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __iter__(self):
+        return iter(self.tensors.items())

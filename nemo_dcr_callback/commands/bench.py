@@ -119,6 +119,9 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive, default=1024)
     p.add_argument("--layers", type=positive, default=8)
     p.add_argument("--vocab", type=positive, default=32000)
+    p.add_argument("--backend", action="store_true",
+                   help="through vLLM's weight-transfer API with backend dcr: bytes sent and the engine's pause "
+                        "against a dense load_weights (benchmarks/results/vllm_backend.json)")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/vllm.json)")
 
 
@@ -127,7 +130,8 @@ def _vllm(args: argparse.Namespace) -> int:
         raise ValueError("vLLM is not installed here: run it in .venv-vllm (make test-vllm builds it)")
     from nemo_dcr_callback.bench import vllm  # start-up cost: only when this benchmark runs
 
-    vllm.run(tuple(float(x) for x in args.rates.split(",")), args.hidden, args.layers, args.vocab, args.json)
+    run = vllm.run_backend if args.backend else vllm.run
+    run(tuple(float(x) for x in args.rates.split(",")), args.hidden, args.layers, args.vocab, args.json)
     return 0
 
 
