@@ -102,14 +102,22 @@ def _refit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--apply", choices=["early", "sealed", "late"], default="sealed",
                    help="the receiver applies the parts it holds once the version is sealed (sealed, the "
                         "default), parts as they arrive (early), or everything after the commit (late)")
+    p.add_argument("--deltas", default="adamw,uniform",
+                   help="kinds of versions, in order: adamw (fp32 masters, AdamW-like steps), uniform")
+    p.add_argument("--no-context-share", action="store_true",
+                   help="skip encoding each version again with context coding (its share column)")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
 
 
 def _refit(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.bench import refit  # start-up cost: only when this benchmark runs
 
+    deltas = tuple(args.deltas.split(","))
+    if not deltas or any(k not in refit.DELTAS for k in deltas):
+        raise ValueError(f"--deltas: kinds are {', '.join(refit.DELTAS)}")
     refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
-              json_path=args.json, apply=args.apply, repeats=args.repeats)
+              json_path=args.json, apply=args.apply, repeats=args.repeats, deltas=deltas,
+              context_share=not args.no_context_share)
     return 0
 
 
