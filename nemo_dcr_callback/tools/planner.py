@@ -92,7 +92,8 @@ class Coefficients:
         per = {k: {x: r["gbps_per_core"][k] for x, r in rows.items()} for k in ("kernel_input", "encode", "decode",
                                                                                "apply")}
         refit = json.loads((results / "refit.json").read_text())
-        dense_down = refit["dense_s"] - refit["dense_upload_s"]
+        # the dense checkpoint's bytes over the link (older files: store and forward less the upload)
+        dense_down = refit.get("dense_transport_s", refit["dense_s"] - refit["dense_upload_s"])
         eff = refit["dense_bytes"] / dense_down / refit["link_bytes_per_s"]
         req = sorted(r["commit_wait_s"] for r in refit["rows"])[len(refit["rows"]) // 2]
         relay = json.loads((results / "relay.json").read_text())
