@@ -32,7 +32,8 @@ receive_weights on each rollout worker at once, then finalize):
 - actor rank 0 (`is_master`): send_weights takes verl's dense per-tensor generator (Hugging
   Face names), copies each tensor to host memory as it comes (staging="cpu"; "device" keeps
   them where they are), and publishes one version with NamedPublisher: the delta against the
-  last committed version, uploaded, sealed, decided by the joint commit. The first sync writes
+  last committed version, uploaded, sealed, decided by the joint commit. From the second sync
+  on, the stream is diffed and uploaded tensor by tensor (one weight held at a time). The first sync writes
   keyframe 0 (or, on a store with history, rebases on it). The version is numbered
   global_steps where that is newer than the store's newest, else the next number. Other actor
   ranks only walk the generator (producing a weight may be a collective over the actor ranks).
@@ -155,20 +156,38 @@ class DCRCheckpointEngine(CheckpointEngine):
             async for _ in ensure_async_iterator(weights):  # the other actor ranks' part of each gather
                 pass
             return {}
-        tensors: dict[str, torch.Tensor] = {}
-        async for name, t in ensure_async_iterator(weights):
-            if name in tensors:
-                raise ValueError(f"dcr: the weights name {name!r} twice")
-            t = t.detach()
-            tensors[name] = t.to("cpu") if self.staging == "cpu" else t
-        d = await asyncio.to_thread(self._publish, tensors, global_steps)
+        if self.publisher is None:  # the first sync: these weights are the baseline (keyframe 0), kept whole
+            tensors: dict[str, torch.Tensor] = {}
+            async for name, t in ensure_async_iterator(weights):
+                if name in tensors:
+                    raise ValueError(f"dcr: the weights name {name!r} twice")
+                tensors[name] = self._staged(t)
+            d = await asyncio.to_thread(self._publish, tensors, global_steps)
+        else:  # later syncs stream: one weight held at a time, diffed and uploaded as verl yields it
+            d = await asyncio.to_thread(self._publish, self._pulled(weights, asyncio.get_running_loop()),
+                                        global_steps)
         if not d["committed"]:
             logger.warning("dcr: version %d aborted (%s); the next version carries its changes",
                            d["version"], d["reason"])
         return {"dcr/version": d["version"], "dcr/committed": float(d["committed"]), "dcr/bytes": d["bytes"],
                 "dcr/changed": d["changed"], "dcr/params": d["params"], "dcr/publish_s": d["publish_s"]}
 
-    def _publish(self, tensors: dict[str, torch.Tensor], global_steps: int | None) -> dict:
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to("cpu") if self.staging == "cpu" else t
+
+    def _pulled(self, weights, loop: asyncio.AbstractEventLoop):
+        """verl's (async) per-tensor stream as a plain generator for the publisher's thread:
+        each next weight is produced on verl's event loop (free while the thread runs)."""
+        it = ensure_async_iterator(weights).__aiter__()
+        while True:
+            try:
+                name, t = asyncio.run_coroutine_threadsafe(it.__anext__(), loop).result()
+            except StopAsyncIteration:
+                return
+            yield name, self._staged(t)
+
+    def _publish(self, tensors, global_steps: int | None) -> dict:
         if self.publisher is None:
             # an empty store: keyframe 0 holds these weights; else the baseline is rebuilt from it
             self.publisher = NamedPublisher(self.store(), tensors, policy=self.policy, log=logger.info)

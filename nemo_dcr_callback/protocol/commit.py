@@ -346,13 +346,14 @@ def resume_point(store) -> tuple[int, int, list[int]]:
     return last, max(versions, default=0), [v for v in dangling if v > last]
 
 
-def abort_dangling(store, versions: list[int], reason: str = "the senders restarted") -> None:
+def abort_dangling(store, versions: list[int], reason: str = "the senders restarted", base: int = 0) -> None:
     """Decide abort for versions a dead sender left unfinished (their parts are never applied;
-    gc removes them). Conditional writes: a decision already there stands."""
+    gc removes them). Conditional writes: a decision already there stands. A version with no
+    record (its senders died before the seal) is recorded on `base`, the last committed
+    version (a decision's base is a version number like any other: readers refuse -1)."""
     for v in versions:
         rec = read_record(store, v)
-        base = rec["base"] if rec else -1
-        decide(store, v, base, "abort", [], [], reason)
+        decide(store, v, rec["base"] if rec else base, "abort", [], [], reason)
 
 
 # ------------------------------------------------------------------ keyframes and garbage

@@ -67,14 +67,16 @@ class NamedSender:
     def take(self) -> list[tuple[str, SparseDelta]]:
         return [self._take_one(n, t) for n, t in self.tensors.items()]
 
-    def stream(self, store, v: int, base: int, part_bytes: int = PART_BYTES) -> tuple[list, dict]:
+    def stream(self, store, v: int, base: int, part_bytes: int = PART_BYTES,
+               items: Iterable[tuple[str, torch.Tensor]] | None = None) -> tuple[list, dict]:
         """take() and write() interleaved tensor by tensor: each tensor's chunks are encoded
         and their parts uploaded while the kernel runs over the next tensors (the refit
-        starts moving bytes right after the first tensor). Returns (taken, manifest)."""
+        starts moving bytes right after the first tensor). items: the (name, tensor) pairs to
+        take, as they come (default: self.tensors). Returns (taken, manifest)."""
         taken: list[tuple[str, SparseDelta]] = []
 
         def lazily():  # a failed upload leaves what was taken in the undo log: roll_back() restores it
-            for n, t in self.tensors.items():
+            for n, t in (self.tensors.items() if items is None else items):
                 taken.append(self._take_one(n, t))
                 yield taken[-1]
 
@@ -143,7 +145,7 @@ class NamedPublisher:
             commit.write_keyframe(self.store, 0, {n: t.detach().cpu() for n, t in current.items()}, config_json)
             held = current
         else:
-            commit.abort_dangling(self.store, dangling, "the publisher restarted")
+            commit.abort_dangling(self.store, dangling, "the publisher restarted", base=last)
             held = reconstruct(self.store, last)
             if current is not None:
                 _check_names(held, current, f"the store's version {last}")
@@ -153,23 +155,28 @@ class NamedPublisher:
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:
         """One version: the delta of `tensors` against the last committed version, sent,
-        sealed and decided. Returns the decision with "committed", "bytes", "params" and
+        sealed and decided. A mapping is checked whole first; an iterable of (name, tensor)
+        pairs is streamed (each tensor diffed and its chunks uploaded as it comes; a caller's
+        generator may produce them one at a time). Returns the decision with "committed", "bytes", "params" and
         "changed". Raises PublishError (nothing committed, baselines restored) if it could not
         be sent or sealed; an aborted version is a decision, not an error."""
         v = self.newest + 1 if version is None else int(version)
         if v <= self.newest:
             raise PublishError(f"version {v}: the store already holds version {self.newest}; versions only increase")
-        current = _named(tensors)
-        _check_names(self.sender.tensors, current, "the baseline")
+        items = None
+        if isinstance(tensors, Mapping):  # checked whole before anything is sent
+            _check_names(self.sender.tensors, tensors, "the baseline")
+            self.sender.tensors = {n: tensors[n] for n in self.sender.tensors}
+        else:  # streamed: one tensor held at a time, checked as it comes (a bad one fails the version)
+            items = self._checked(tensors)
         t0 = time.perf_counter()
-        self.sender.tensors = {n: current[n] for n in self.sender.tensors}
         self.newest = v  # (a number used once, also by a version that failed)
         try:
-            _, m = self.sender.stream(self.store, v, self.last, part_bytes=self.part_bytes)
+            _, m = self.sender.stream(self.store, v, self.last, part_bytes=self.part_bytes, items=items)
             rec = commit.seal_version(self.store, v, self.last, 1, timeout=self.seal_timeout)
         except Exception as exc:
             self.sender.roll_back()
-            commit.abort_dangling(self.store, [v], f"the publisher failed: {exc}")
+            commit.abort_dangling(self.store, [v], f"the publisher failed: {exc}", base=self.last)
             raise PublishError(f"version {v} was not published: {exc}") from exc
         d = commit.run_commit(self.store, rec, self.policy, log=self.log)
         committed = d["decision"] == "commit"
@@ -180,6 +187,24 @@ class NamedPublisher:
             self.sender.roll_back()
         return {**d, "committed": committed, "bytes": m["bytes"], "params": m["params"], "changed": m["changed"],
                 "publish_s": time.perf_counter() - t0}
+
+
+    def _checked(self, items: Iterable[tuple[str, torch.Tensor]]):
+        """The pairs as they come, each checked against the baseline; every tensor once."""
+        held, seen = self.sender.baselines, set()
+        for n, t in items:
+            h = held.get(n)
+            if h is None:
+                raise PublishError(f"the tensors differ from the baseline: unknown {n!r}")
+            if n in seen:
+                raise PublishError(f"{n}: given twice")
+            if t.dtype != h.dtype or t.numel() != h.numel():
+                raise PublishError(f"{n}: {t.dtype} x {t.numel()} where the baseline has {h.dtype} x {h.numel()}")
+            seen.add(n)
+            yield n, t
+        missing = sorted(set(held) - seen)
+        if missing:
+            raise PublishError(f"the tensors differ from the baseline: missing {missing[:3]}")
 
 
 def _named(tensors: Tensors) -> dict[str, torch.Tensor]:

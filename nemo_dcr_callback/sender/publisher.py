@@ -116,7 +116,7 @@ class Publisher:
         if newest == 0 and last == 0:
             return base_version  # a fresh store: nothing to resume
         if self.rank == 0 and dangling:
-            commit.abort_dangling(self.store, dangling, "the senders restarted")
+            commit.abort_dangling(self.store, dangling, "the senders restarted", base=last)
         self.sender.rebase(reconstruct(self.store, last))
         self.version_offset, self.resumed_from = newest, last
         if self.rank == 0:

@@ -141,3 +141,20 @@ def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_
     assert d["decision"] == "commit"
     assert 3 <= store.n <= 8, store.n  # 0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55 s; at 50 ms it was 33
     assert lag <= DECISION_MAX_POLL_S + 0.5, lag
+
+
+def test_a_version_left_before_its_seal_is_aborted_with_a_readable_decision(tmp_path):
+    """A sender that died after uploading parts of version 2 and before sealing it left no
+    record: the restarted sender aborts it on the last committed version, and every reader
+    (receivers, resume_point) reads that decision (it was written with base -1, which
+    readers refuse as malformed)."""
+    store = FileStore(tmp_path)
+    states = versions.chain(store, 1)
+    store.put(commit.part_key(2, 0, 0), b"x" * 64)  # a part, and nothing after it
+    last, newest, dangling = commit.resume_point(store)
+    assert (last, newest, dangling) == (1, 2, [2]) and commit.read_record(store, 2) is None
+    commit.abort_dangling(store, dangling, "the senders restarted", base=last)
+    d = commit.read_decision(store, 2)
+    assert d["decision"] == "abort" and d["base"] == 1 and d["reason"] == "the senders restarted"
+    assert commit.resume_point(store) == (1, 2, [])
+    assert len(states) == 2  # (versions 0 and 1)

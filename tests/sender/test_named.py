@@ -96,3 +96,30 @@ def test_bad_input_is_refused_and_nothing_is_written(tmp_path):
     assert sorted(store.list("")) == before
     with pytest.raises(PublishError, match="missing \\['layer.3.w'\\]"):
         NamedPublisher(store, {k: t for k, t in s0.items() if k != "layer.3.w"})
+
+
+def test_a_stream_of_tensors_is_published_one_at_a_time(tmp_path):
+    """A generator of (name, tensor) pairs (what verl's actor yields) is diffed and sent as it
+    comes; a bad tensor mid-stream fails that version, which is aborted and rolled back: the
+    next version, streamed whole, lands bit-exact."""
+    store = open_store(f"file://{tmp_path}")
+    g = torch.Generator().manual_seed(6)
+    s0 = model()
+    pub = NamedPublisher(store, s0)
+    s1 = _next(s0, g)
+    d = pub.publish((n, s1[n]) for n in sorted(s1, reverse=True))
+    assert d["committed"] and same_bits(reconstruct(store, 1), s1)
+    s2 = _next(s1, g)
+
+    def bad():
+        yield "layer.0.w", s2["layer.0.w"]
+        yield "layer.9.w", s2["layer.1.w"]
+
+    with pytest.raises(PublishError, match="unknown 'layer.9.w'"):
+        pub.publish(bad())
+    with pytest.raises(PublishError, match="missing \\['layer.3.w'\\]"):
+        pub.publish((n, s2[n]) for n in sorted(s2)[:3])
+    assert [commit.read_decision(store, v)["decision"] for v in (2, 3)] == ["abort", "abort"]
+    d = pub.publish(iter(s2.items()))
+    assert d["committed"] and d["version"] == 4 and d["base"] == 1
+    assert same_bits(reconstruct(store, 4), s2)
