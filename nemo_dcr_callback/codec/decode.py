@@ -173,8 +173,11 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
     raw = [s[0] for s in h.streams]
     codecs = [s[2] for s in h.streams]
     dec = [ans_decode(st[i], raw[i]) if codecs[i] == RANS else st[i] for i in range(len(st))]
-    return context.join_old(dec[0], segments, h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
-                            BITS_DTYPE[h.dtype.width], idt)
+    pos, vals = context.join_old(dec[0], segments, h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
+                                 BITS_DTYPE[h.dtype.width], idt)
+    # the walk numbers positions within the chunk's range; a tensor's chunk after its first
+    # starts at lo (a batch's members are cut from the concatenation by decode_parts)
+    return (pos + h.lo if h.lo and not h.members else pos), vals
 
 
 def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None, old: OldBits | None = None

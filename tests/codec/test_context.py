@@ -47,6 +47,22 @@ def test_context_coding_is_smaller_and_lands_on_the_new_bits(dtype):
     assert torch.equal(bits(t), bits(new))
 
 
+def test_a_tensor_cut_into_several_context_chunks_lands_on_the_new_bits():
+    """Each chunk after a tensor's first starts at its lo: the decoder's walk numbers positions
+    within the range (before the fix they landed at lo 0: any tensor over one span, e.g. a
+    large embedding in `nemo-dcr diff`, decoded to the wrong positions)."""
+    old, new = _adam_like(200_000, 1e-6, 7)
+    d = take_delta(new, old.clone(), keep_new=True)
+    ctx = codec.encode_delta("w", d, span=1 << 16, old=old)
+    heads = [codec.parse_header(c) for c in ctx]
+    assert len(ctx) == 4 and sum(1 for h in heads if h.classes and h.lo > 0) >= 2  # (the short last one may be plain)
+    t = old.clone()
+    for c in ctx:
+        for dc in codec.decode_parts(c, old=lambda _h: old):
+            codec.apply_decoded(dc, t)
+    assert torch.equal(bits(t), bits(new))
+
+
 def test_context_coded_batch_lands_on_the_new_bits():
     pairs = {f"model.layers.{i}.mlp.down_proj.weight": _adam_like(3000 + i, 1e-6, i) for i in range(30)}
     members, olds = [], []
