@@ -152,21 +152,22 @@ class NamedPublisher:
                 held = {n: t.to(current[n].device) for n, t in held.items()}
         self.last, self.newest = last, newest  # last committed; newest version number used
         self.sender = NamedSender(held, span=span, level=level)
+        self.sender.tensors = {}  # publish passes the tensors each time: hold the baselines only
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:
         """One version: the delta of `tensors` against the last committed version, sent,
         sealed and decided. A mapping is checked whole first; an iterable of (name, tensor)
         pairs is streamed (each tensor diffed and its chunks uploaded as it comes; a caller's
-        generator may produce them one at a time). Returns the decision with "committed", "bytes", "params" and
-        "changed". Raises PublishError (nothing committed, baselines restored) if it could not
-        be sent or sealed; an aborted version is a decision, not an error."""
+        generator may produce them one at a time). Returns the decision with "committed",
+        "bytes", "params" and "changed". Raises PublishError (nothing committed, baselines
+        restored) if it could not be sent or sealed; an aborted version is a decision, not an
+        error."""
         v = self.newest + 1 if version is None else int(version)
         if v <= self.newest:
             raise PublishError(f"version {v}: the store already holds version {self.newest}; versions only increase")
-        items = None
         if isinstance(tensors, Mapping):  # checked whole before anything is sent
-            _check_names(self.sender.tensors, tensors, "the baseline")
-            self.sender.tensors = {n: tensors[n] for n in self.sender.tensors}
+            _check_names(self.sender.baselines, tensors, "the baseline")
+            items = ((n, tensors[n]) for n in self.sender.baselines)
         else:  # streamed: one tensor held at a time, checked as it comes (a bad one fails the version)
             items = self._checked(tensors)
         t0 = time.perf_counter()
@@ -188,18 +189,15 @@ class NamedPublisher:
         return {**d, "committed": committed, "bytes": m["bytes"], "params": m["params"], "changed": m["changed"],
                 "publish_s": time.perf_counter() - t0}
 
-
     def _checked(self, items: Iterable[tuple[str, torch.Tensor]]):
         """The pairs as they come, each checked against the baseline; every tensor once."""
         held, seen = self.sender.baselines, set()
         for n, t in items:
-            h = held.get(n)
-            if h is None:
+            if n not in held:
                 raise PublishError(f"the tensors differ from the baseline: unknown {n!r}")
             if n in seen:
                 raise PublishError(f"{n}: given twice")
-            if t.dtype != h.dtype or t.numel() != h.numel():
-                raise PublishError(f"{n}: {t.dtype} x {t.numel()} where the baseline has {h.dtype} x {h.numel()}")
+            _check_one(n, t, held[n], "the baseline")
             seen.add(n)
             yield n, t
         missing = sorted(set(held) - seen)
@@ -217,6 +215,9 @@ def _check_names(held: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tenso
     if missing or extra:
         raise PublishError(f"the tensors differ from {what}: missing {missing[:3]}, unknown {extra[:3]}")
     for n, t in got.items():
-        h = held[n]
-        if t.dtype != h.dtype or t.numel() != h.numel():
-            raise PublishError(f"{n}: {t.dtype} x {t.numel()} where {what} has {h.dtype} x {h.numel()}")
+        _check_one(n, t, held[n], what)
+
+
+def _check_one(n: str, t: torch.Tensor, h: torch.Tensor, what: str) -> None:
+    if t.dtype != h.dtype or t.numel() != h.numel():
+        raise PublishError(f"{n}: {t.dtype} x {t.numel()} where {what} has {h.dtype} x {h.numel()}")
