@@ -12,15 +12,7 @@ from nemo_dcr_callback.codec import context
 from nemo_dcr_callback.codec import format as fmt
 from nemo_dcr_callback.core.delta import take_delta
 from nemo_dcr_callback.core.rawbits import bits
-
-
-def _adam_like(numel: int, lr: float, seed: int, dtype=torch.bfloat16):
-    """Weights of mixed magnitude moved by about lr each (an Adam step): small weights change
-    far more often than large ones, which is what the contexts exploit."""
-    g = torch.Generator().manual_seed(seed)
-    master = torch.randn(numel, generator=g) * torch.logspace(-3, 0, numel)[torch.randperm(numel, generator=g)]
-    step = lr * torch.sign(torch.randn(numel, generator=g))
-    return master.to(dtype), (master + step).to(dtype)
+from tests.helpers.tensors import adam_like
 
 
 def _chunk(old, new, name="w"):
@@ -32,7 +24,7 @@ def _chunk(old, new, name="w"):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_context_coding_is_smaller_and_lands_on_the_new_bits(dtype):
-    old, new = _adam_like(200_000, 1e-6, 0, dtype)
+    old, new = adam_like(200_000, 1e-6, 0, dtype)
     d, plain, ctx = _chunk(old, new)
     assert d.count > 1000
     h = codec.parse_header(ctx[0])
@@ -51,7 +43,7 @@ def test_a_tensor_cut_into_several_context_chunks_lands_on_the_new_bits():
     """Each chunk after a tensor's first starts at its lo: the decoder's walk numbers positions
     within the range (before the fix they landed at lo 0: any tensor over one span, e.g. a
     large embedding in `nemo-dcr diff`, decoded to the wrong positions)."""
-    old, new = _adam_like(200_000, 1e-6, 7)
+    old, new = adam_like(200_000, 1e-6, 7)
     d = take_delta(new, old.clone(), keep_new=True)
     ctx = codec.encode_delta("w", d, span=1 << 16, old=old)
     heads = [codec.parse_header(c) for c in ctx]
@@ -64,7 +56,7 @@ def test_a_tensor_cut_into_several_context_chunks_lands_on_the_new_bits():
 
 
 def test_context_coded_batch_lands_on_the_new_bits():
-    pairs = {f"model.layers.{i}.mlp.down_proj.weight": _adam_like(3000 + i, 1e-6, i) for i in range(30)}
+    pairs = {f"model.layers.{i}.mlp.down_proj.weight": adam_like(3000 + i, 1e-6, i) for i in range(30)}
     members, olds = [], []
     for name, (o, n) in pairs.items():
         d = take_delta(n, o.clone(), keep_new=True)
@@ -81,7 +73,7 @@ def test_context_coded_batch_lands_on_the_new_bits():
 
 
 def test_without_the_old_bits_it_is_refused_by_name():
-    old, new = _adam_like(50_000, 1e-6, 1)
+    old, new = adam_like(50_000, 1e-6, 1)
     _, _, ctx = _chunk(old, new, "model.norm.weight")
     t = old.clone()
     with pytest.raises(codec.ChunkError, match="context-coded.*old bits"):
@@ -95,7 +87,7 @@ def test_without_the_old_bits_it_is_refused_by_name():
 
 
 def test_old_bits_of_the_wrong_size_are_refused():
-    old, new = _adam_like(50_000, 1e-6, 2)
+    old, new = adam_like(50_000, 1e-6, 2)
     _, _, ctx = _chunk(old, new)
     with pytest.raises(codec.ChunkError, match="spans 50000 positions"):
         codec.decode_parts(ctx[0], old=lambda _h: old[:100].view(-1))
@@ -114,7 +106,7 @@ def _restream(chunk: bytes, i: int, data: bytes, raw: int, codec_id: int) -> byt
 
 
 def test_corrupt_class_map_is_refused_with_nothing_decoded():
-    old, new = _adam_like(50_000, 1e-6, 3)
+    old, new = adam_like(50_000, 1e-6, 3)
     _, _, ctx = _chunk(old, new)
     h = codec.parse_header(ctx[0])
     bad = bytes([h.classes + 3]) * context.map_size("BF16")  # every exponent in a class that does not exist
@@ -131,7 +123,7 @@ def test_corrupt_class_map_is_refused_with_nothing_decoded():
 def test_compiled_and_numpy_context_decoders_land_on_the_new_bits(dtype, monkeypatch):
     """The compiled walk over the old bits and the numpy sort by class are two decoders of
     the same streams: each must land on the new tensor."""
-    old, new = _adam_like(80_000, 1e-6 if dtype != torch.float32 else 1e-8, 11, dtype)
+    old, new = adam_like(80_000, 1e-6 if dtype != torch.float32 else 1e-8, 11, dtype)
     _, _, ctx = _chunk(old, new)
     assert any(codec.parse_header(c).classes for c in ctx)
     for native in (True, False):
@@ -149,7 +141,7 @@ def test_a_rank_beyond_its_class_is_refused():
     over the old bits knows) is refused, not applied somewhere else."""
     from nemo_dcr_callback.codec.streams import GapMode, encode_gaps
 
-    old, new = _adam_like(50_000, 1e-6, 12)
+    old, new = adam_like(50_000, 1e-6, 12)
     _, _, ctx = _chunk(old, new)
     h = codec.parse_header(ctx[0])
     assert h.classes > 1
@@ -169,8 +161,8 @@ def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(t
 
     from nemo_dcr_callback.tools import delta_patch, deltafile
 
-    old, new = _adam_like(100_000, 1e-6, 4)
-    other, _ = _adam_like(100_000, 1e-6, 5)
+    old, new = adam_like(100_000, 1e-6, 4)
+    other, _ = adam_like(100_000, 1e-6, 5)
     for d, t in (("old", old), ("new", new), ("other", other)):
         (tmp_path / d).mkdir()
         save_file({"w": t.view(100, 1000)}, str(tmp_path / d / "model.safetensors"))
@@ -199,9 +191,9 @@ def test_diff_patch_is_byte_exact_with_batches_and_contexts(tmp_path, span, ctx)
     for i in range(6):
         for part, n, lr in (("norm.weight", 300, 1e-4), ("q_proj.bias", 64, 1e-6), ("q_proj.weight", 40_000, 1e-6),
                             ("mlp.weight", 3000, 1e-5)):
-            o, nw = _adam_like(n, lr, 100 * i + n)
+            o, nw = adam_like(n, lr, 100 * i + n)
             old[f"model.layers.{i}.{part}"], new[f"model.layers.{i}.{part}"] = o, nw
-    old["scale"], new["scale"] = _adam_like(1000, 1e-6, 7, torch.float32)
+    old["scale"], new["scale"] = adam_like(1000, 1e-6, 7, torch.float32)
     old["step"], new["step"] = torch.tensor([3]), torch.tensor([4])
     for d, sd in (("old", old), ("new", new)):
         (tmp_path / d).mkdir()

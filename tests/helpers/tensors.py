@@ -71,3 +71,12 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same FP8 bytes (compared as bytes: FP8 NaNs compare unequal as values)."""
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def adam_like(numel: int, lr: float, seed: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old, new): weights of mixed magnitude moved by about lr each (an Adam step), so small
+    weights change far more often than large ones, which is what context coding exploits."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=g) * torch.logspace(-3, 0, numel)[torch.randperm(numel, generator=g)]
+    step = lr * torch.sign(torch.randn(numel, generator=g))
+    return master.to(dtype), (master + step).to(dtype)

@@ -15,17 +15,7 @@ from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.transport.store import FileStore
-from tests.helpers.tensors import same_bits
-
-
-def _adamw_like(n: int = 1 << 15, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Old and new BF16 values where small values change far more often (what the context
-    coding models): fp32 masters across several exponents, one step of the same size."""
-    g = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=g) * torch.logspace(-4, 0, n)[torch.randperm(n, generator=g)]
-    old = master.to(torch.bfloat16)
-    new = (master - 3e-4 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16)
-    return old, new
+from tests.helpers.tensors import adam_like, same_bits
 
 
 def _publish_context_coded(store, old: torch.Tensor, new: torch.Tensor) -> int:
@@ -45,7 +35,7 @@ def _publish_context_coded(store, old: torch.Tensor, new: torch.Tensor) -> int:
 
 def test_a_receiver_without_old_bits_refuses_a_context_chunk_by_name(tmp_path):
     store = FileStore(tmp_path)
-    old, new = _adamw_like()
+    old, new = adam_like(1 << 15, 3e-4, 0)
     commit.write_keyframe(store, 0, {"w": old})
     assert _publish_context_coded(store, old, new) > 0
     held = {"w": old.clone()}
@@ -59,7 +49,7 @@ def test_other_old_bits_decode_other_positions_and_the_digests_refuse_them(tmp_p
     bits that differ (one value), positions shift and the applied result misses the record's
     digest: the check every receiver runs after an apply refuses it."""
     store = FileStore(tmp_path)
-    old, new = _adamw_like(seed=1)
+    old, new = adam_like(1 << 15, 3e-4, 1)
     commit.write_keyframe(store, 0, {"w": old})
     _publish_context_coded(store, old, new)
     rec = commit.read_record(store, 1)
