@@ -143,19 +143,11 @@ def _finish(rows: list[dict], rates, keys: list[str], line, reps: int, json_path
 
 
 # ------------------------------------------------------------------ the `dcr` weight-transfer backend
-def _dense_load(worker, model_dir: str) -> dict:
-    """Worker side: the baseline without NCCL on CPU, every weight of a dense checkpoint through
-    the model's load_weights in place, then the CPU repack (the engine's pause for a dense
-    refit whose bytes are already local)."""
-    from safetensors.torch import load_file
-
-    weights = load_file(str(Path(model_dir) / "model.safetensors"))
-    w = worker.weight_transfer_engine.weights
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        w._load(iter(sorted(weights.items())))
-    load_s = time.perf_counter() - t0
-    return {"load_s": load_s, "repack_s": w.repack(None)}
+def _dense_load(worker, model_dir: str, version: int) -> dict:
+    """Worker side: the baseline without NCCL on CPU, a dense checkpoint loaded in place through
+    load_weights and repacked (EngineWeights.reload_dense, as `run`'s dcr_reload_dense), the
+    backend's follower going on from `version`."""
+    return worker.weight_transfer_engine.weights.reload_dense(model_dir, version)
 
 
 def _backend_last(worker) -> dict:
@@ -203,7 +195,7 @@ def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, v
             dv = tmp / f"dense-{v}"
             dv.mkdir()
             save_file(state, str(dv / "model.safetensors"))
-            dense = llm.collective_rpc(_dense_load, args=(str(dv),))[0]
+            dense = llm.collective_rpc(_dense_load, args=(str(dv), v))[0]
             dense_pause = dense["load_s"] + dense["repack_s"]
             row = {"version": v, "rate": rate, "params": params, "sent_bytes": d["bytes"], "dense_bytes": dense_bytes,
                    "dense_vs_sent": dense_bytes / d["bytes"], "send_s": send_s, "publish_s": d["publish_s"],

@@ -496,14 +496,10 @@ class DCRWorkerExtension:
 
     def dcr_params(self) -> dict[str, bytes]:
         """Every parameter's raw bytes, in vLLM's own (fused, sharded) layout: for checks."""
-        return params_bytes(self.model_runner.model)
+        return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                for n, p in self.model_runner.model.named_parameters()}
 
     def dcr_param_digests(self) -> dict[str, str]:
         """Every parameter's digest (hex), in vLLM's layout: the same check over HTTP (`vllm
         serve`'s /collective_rpc answers JSON)."""
         return {n: digest.hexd(digest.sum64(p.detach())) for n, p in self.model_runner.model.named_parameters()}
-
-
-def params_bytes(model: torch.nn.Module) -> dict[str, bytes]:
-    """Every parameter's raw bytes, in vLLM's own (fused, sharded) layout."""
-    return {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, p in model.named_parameters()}
