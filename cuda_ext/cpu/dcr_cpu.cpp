@@ -819,6 +819,171 @@ int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t 
   return w.t;
 }
 
+}  // extern "C"
+
+namespace {
+
+// The sender's side of context coding (dcr_ctx_ranks below): the walk reads the NEW bits of a
+// chunk's range (the sender's baseline after the step, so no copy of the old tensor is made)
+// and corrects at the changed positions, the only ones whose old exponent can differ: class
+// c's count of old values before p is the new bits' count plus, over changed q < p, +1 where
+// q's old class is c and -1 where its new class is.
+struct RankWalk {
+  int64_t cnt[16] = {0}, corr[16] = {0};
+  const int64_t* pos;
+  const uint8_t* cold;
+  const uint8_t* cnew;
+  int64_t count, j = 0;
+  int64_t* ranks;
+};
+
+template <class T>
+static bool rank_scalar(RankWalk& w, const T* v, int64_t lo, int64_t hi, int shift, uint32_t mask,
+                        const uint8_t* cls_map) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const int c = cls_map[(static_cast<uint32_t>(v[i]) >> shift) & mask];
+    if (w.j < w.count && w.pos[w.j] == i) {
+      const int co = w.cold[w.j], cn = w.cnew[w.j];
+      if (cn != c) return false;  // the caller's new class disagrees with the bits
+      w.ranks[w.j++] = w.cnt[co] + w.corr[co];
+      ++w.corr[co];
+      --w.corr[cn];
+    }
+    ++w.cnt[c];
+  }
+  return true;
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+// 64 elements a step, as ctx_simd: the classes by byte permutes, per class a compare and a
+// popcount; a changed position inside the block takes its class's count below it from the mask.
+template <class T>
+static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, int nbits, const uint8_t* map256) {
+  const __m512i t0 = _mm512_loadu_si512(map256), t1 = _mm512_loadu_si512(map256 + 64);
+  const __m512i t2 = _mm512_loadu_si512(map256 + 128), t3 = _mm512_loadu_si512(map256 + 192);
+  const uint32_t mask = (1u << nbits) - 1;
+  int64_t cnt[16], corr[16];
+  for (int c = 0; c < 16; ++c) {
+    cnt[c] = w.cnt[c];
+    corr[c] = w.corr[c];
+  }
+  const int64_t* __restrict pos = w.pos;
+  int64_t* __restrict ranks = w.ranks;
+  int64_t j = w.j, next = j < w.count ? pos[j] : INT64_MAX;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i e = ctx_exps64(v + i, shift, mask);
+    __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);
+    if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+    if (next >= i + 64) {  // no change in the block: only the counts
+      for (int c = 0; c < k; ++c)
+        cnt[c] += __builtin_popcountll(_mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c))));
+      continue;
+    }
+    uint64_t m[16];
+    for (int c = 0; c < k; ++c) m[c] = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
+    while (next < i + 64) {
+      const int off = static_cast<int>(next - i);
+      const int co = w.cold[j], cn = w.cnew[j];
+      if (!((m[cn] >> off) & 1)) return -1;  // the caller's new class disagrees with the bits
+      const uint64_t below = off ? (~0ULL >> (64 - off)) : 0;
+      ranks[j] = cnt[co] + __builtin_popcountll(m[co] & below) + corr[co];
+      ++corr[co];
+      --corr[cn];
+      ++j;
+      const int64_t p = j < w.count ? pos[j] : INT64_MAX;
+      if (p <= next) return -1;  // not increasing
+      next = p;
+    }
+    for (int c = 0; c < k; ++c) cnt[c] += __builtin_popcountll(m[c]);
+  }
+  for (int c = 0; c < 16; ++c) {
+    w.cnt[c] = cnt[c];
+    w.corr[c] = corr[c];
+  }
+  w.j = j;
+  return i;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
+// to the range) its rank among the positions of its OLD class, the class being cls_map[old
+// exponent], read from the range's NEW bits `cur` and the classes the caller gives for the
+// changed positions (cold: of the old value, cnew: of the new one). class_counts gets each old
+// class's population. Returns 0; -1 if the positions are not increasing inside [0, n) or a
+// new class disagrees with cur; -100 on bad arguments.
+int64_t dcr_ctx_ranks(const void* cur, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map, int k,
+                      const int64_t* pos, const uint8_t* cold, const uint8_t* cnew, int64_t count, int64_t* ranks,
+                      int64_t* class_counts) {
+  if (k < 1 || k > 16 || (width != 2 && width != 4) || nbits < 1 || nbits > 8) return -100;
+  if (count && (pos[0] < 0 || pos[count - 1] >= n)) return -1;
+  for (int64_t j = 0; j < count; ++j)
+    if (cold[j] >= k || cnew[j] >= k) return -100;
+  RankWalk w;
+  w.pos = pos;
+  w.cold = cold;
+  w.cnew = cnew;
+  w.count = count;
+  w.ranks = ranks;
+  uint8_t map256[256] = {0};
+  std::memcpy(map256, cls_map, size_t{1} << nbits);
+  for (int e = 0; e < (1 << nbits); ++e)
+    if (map256[e] >= k) return -100;
+  const uint32_t mask = (1u << nbits) - 1;
+  auto walk = [&](const auto* v) -> bool {
+    int64_t done = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+    if (!std::getenv("NEMO_DCR_NO_AVX512")) {
+      done = rank_simd(w, k, v, n, shift, nbits, map256);
+      if (done < 0) return false;
+    }
+#endif
+    if (w.j < count && w.j > 0 && pos[w.j] <= pos[w.j - 1]) return false;
+    for (int64_t j = w.j + 1; j < count; ++j)
+      if (pos[j] <= pos[j - 1]) return false;
+    return rank_scalar(w, v, done, n, shift, mask, map256);
+  };
+  const bool ok = width == 2 ? walk(static_cast<const uint16_t*>(cur)) : walk(static_cast<const uint32_t*>(cur));
+  if (!ok || w.j != count) return -1;
+  for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + w.corr[c];
+  return 0;
+}
+
+// Exponent histogram of a sample of v: `block` elements every `every` (the sender chooses its
+// classes from it; the decoder never sees it, so a sample only costs a little compression).
+int64_t dcr_exp_hist(const void* v, int64_t n, int width, int shift, int nbits, int64_t block, int64_t every,
+                     int64_t* hist) {
+  if ((width != 2 && width != 4) || nbits < 1 || nbits > 8 || block < 1 || every < block) return -100;
+  const uint32_t mask = (1u << nbits) - 1;
+  int64_t h[4][256] = {{0}};
+  int64_t seen = 0;
+  auto run = [&](const auto* x) {
+    for (int64_t s = 0; s < n; s += every) {
+      const int64_t e = std::min(n, s + block);
+      int64_t i = s;
+      for (; i + 4 <= e; i += 4) {
+        ++h[0][(static_cast<uint32_t>(x[i]) >> shift) & mask];
+        ++h[1][(static_cast<uint32_t>(x[i + 1]) >> shift) & mask];
+        ++h[2][(static_cast<uint32_t>(x[i + 2]) >> shift) & mask];
+        ++h[3][(static_cast<uint32_t>(x[i + 3]) >> shift) & mask];
+      }
+      for (; i < e; ++i) ++h[0][(static_cast<uint32_t>(x[i]) >> shift) & mask];
+      seen += e - s;
+    }
+  };
+  if (width == 2) {
+    run(static_cast<const uint16_t*>(v));
+  } else {
+    run(static_cast<const uint32_t*>(v));
+  }
+  for (int e = 0; e < (1 << nbits); ++e) hist[e] = h[0][e] + h[1][e] + h[2][e] + h[3][e];
+  return seen;
+}
+
 // A batch's member table (codec/format.py member_table): m entries of var prefix, var
 // suffix length, the suffix, var numel, var count. Fills out[5 * i ..] with prefix, suffix
 // length, the suffix's offset, numel and count, checking every field that needs no name;

@@ -6,7 +6,8 @@ values, each stream compressed. docs/FORMAT.md is the byte-level specification; 
 is its reference implementation:
 
   format   header layout, enums, dtype table, checksum, header parsing and chunk splitting
-  encode   changes -> chunks (the generic path and the fused compiled encoders)
+  encode   changes -> chunks (the generic path, the fused compiled encoder, context coding)
+  slices   a parameter slice's chunks from one compiled call (the Megatron sender's path)
   decode   chunks -> verified positions and values, applied to a tensor (a batched chunk:
            one set per tensor it holds)
   bounds   information bounds a delta's size is measured against
@@ -35,7 +36,6 @@ from nemo_dcr_callback.codec.encode import (
     encode_delta,
     encode_overwrite,
     encode_sparse,
-    encode_xor_slice,
     split_ranges,
 )
 from nemo_dcr_callback.codec.format import (
@@ -63,6 +63,7 @@ from nemo_dcr_callback.codec.format import (
     split_chunks,
     tensor_digest,
 )
+from nemo_dcr_callback.codec.slices import encode_xor_slice
 from nemo_dcr_callback.codec.streams import GapMode
 
 __all__ = [

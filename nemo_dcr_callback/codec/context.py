@@ -30,6 +30,8 @@ from nemo_dcr_callback.codec.streams import (
 from nemo_dcr_callback.core import kernels
 
 MAX_CLASSES = 16
+# the sender's class choice looks at SAMPLE_BLOCK positions of every SAMPLE_EVERY (1/16)
+SAMPLE_BLOCK, SAMPLE_EVERY = 4096, 65536
 # (shift, bits) of the exponent field per float width: BF16 and F16 differ at width 2
 _EXPONENT = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8)}
 
@@ -71,29 +73,99 @@ def _bits(counts: np.ndarray) -> float:
 
 
 def choose_classes(exp_all: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int) -> np.ndarray:
-    """The class of each exponent value: exponents grouped by their change rate in this chunk
-    (log-odds cut into even steps). The number of classes is the one whose estimate is
-    smallest: each class's positions (n H(p)) and tokens (order 0), plus its two tables."""
+    """The class of each exponent value (see choose_classes_from), from every position's."""
     n = np.bincount(exp_all, minlength=size)[:size].astype(np.float64)
+    return choose_classes_from(n, exp_changed, tok, size)[0]
+
+
+def choose_classes_from(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int
+                        ) -> tuple[np.ndarray, float, float]:
+    """(class of each exponent value, estimated bits of that coding, estimated bits with one
+    class): exponents grouped by their change rate in this chunk (log-odds cut into even
+    steps), n: positions per exponent (counted or estimated from a sample). The number of
+    classes is the one whose estimate is smallest: each class's positions (n H(p)) and tokens
+    (order 0), plus its two tables. One class is about what the plain coding costs."""
     c = np.bincount(exp_changed, minlength=size)[:size].astype(np.float64)
+    n = np.maximum(n, c)  # a sample may miss an exponent that changed
     present = n > 0
     if not present.any():
-        return np.zeros(size, dtype=np.uint8)
+        return np.zeros(size, dtype=np.uint8), 0.0, 0.0
     logit = np.log2((c + 0.5) / (n - c + 0.5))
     th = np.bincount(exp_changed.astype(np.int64) * 256 + tok, minlength=size * 256).reshape(size, 256)
-    best = None
+    best = one = None
     for k in (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES):
         cls = _bin(logit, present, k)
         kk = int(cls.max()) + 1
         nk = np.bincount(cls, weights=n, minlength=kk)
         ck = np.bincount(cls, weights=c, minlength=kk)
-        tk = np.zeros((kk, 256))
-        np.add.at(tk, cls, th)
+        tk = np.eye(kk)[cls].T @ th  # each class's token histogram
         cost = sum(_bits(np.array([ck[j], nk[j] - ck[j]])) + _bits(tk[j]) for j in range(kk))
         cost += 8 * sum(2 * 64 + 2 * np.count_nonzero(tk[j]) + 2 * 40 for j in range(kk))  # tables, roughly
+        if one is None:
+            one = cost
         if best is None or cost < best[0]:
             best = (cost, cls)
-    return best[1]
+    return best[1], float(best[0]), float(one)
+
+
+def sampled_counts(cur_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
+    """Positions per exponent value of a range's bits, estimated from a sample (the class
+    choice needs only their proportions; the decoder never sees them)."""
+    size = map_size(dtype_name)
+    shift, nbits = _EXPONENT[dtype_name]
+    n = cur_bits.numel()
+    block, every = SAMPLE_BLOCK, SAMPLE_EVERY if n >= 4 * SAMPLE_EVERY else SAMPLE_BLOCK
+    lib = kernels.native()
+    if lib is not None and cur_bits.is_cpu and cur_bits.is_contiguous():
+        hist = np.zeros(256, dtype=np.int64)
+        seen = lib.dcr_exp_hist(cur_bits.data_ptr(), n, cur_bits.element_size(), shift, nbits, block, every,
+                                hist.ctypes.data)
+        counts = hist[:size].astype(np.float64)
+    else:
+        idx = torch.arange(0, n, every).reshape(-1, 1) + torch.arange(block).reshape(1, -1)
+        idx = idx.reshape(-1)
+        idx = idx[idx < n]
+        seen = idx.numel()
+        counts = np.bincount(exponents(cur_bits.reshape(-1)[idx], dtype_name), minlength=size)[:size].astype(np.float64)
+    return counts * (n / max(seen, 1))
+
+
+def ranks_from_current(cur_bits: torch.Tensor, p: np.ndarray, cls_old: np.ndarray, cls_new: np.ndarray,
+                       cls_map: np.ndarray, k: int, dtype_name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(rank of each changed position among its old class's positions, each old class's
+    population), walking the range's CURRENT bits (after the change: the sender's baseline)
+    and correcting at the changed positions p (relative, increasing), whose old and new
+    classes are given. None without the compiled kernels (the caller rebuilds the old bits)."""
+    lib = kernels.native()
+    if lib is None or not cur_bits.is_cpu or not cur_bits.is_contiguous():
+        return None
+    shift, nbits = _EXPONENT[dtype_name]
+    p = np.ascontiguousarray(p, dtype=np.int64)
+    co = np.ascontiguousarray(cls_old, dtype=np.uint8)
+    cn = np.ascontiguousarray(cls_new, dtype=np.uint8)
+    cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
+    ranks = np.empty(max(p.size, 1), dtype=np.int64)
+    pops = np.zeros(MAX_CLASSES, dtype=np.int64)
+    rc = lib.dcr_ctx_ranks(cur_bits.data_ptr(), cur_bits.numel(), cur_bits.element_size(), shift, nbits,
+                           cmap.ctypes.data, k, p.ctypes.data, co.ctypes.data, cn.ctypes.data, p.size,
+                           ranks.ctypes.data, pops.ctypes.data)
+    if rc != 0:
+        raise ValueError(f"context ranks: positions out of order or bits that disagree with the new values ({rc})")
+    return ranks[:p.size], pops[:k]
+
+
+def split_ranked(ranks: np.ndarray, pops: np.ndarray, cls_old: np.ndarray, tok: np.ndarray, k: int
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """split() from ranks already known: per class its GAP8 stream and its tokens."""
+    order = np.argsort(cls_old, kind="stable")  # a radix sort on bytes; keeps each class in position order
+    ends = np.cumsum(np.bincount(cls_old, minlength=k)[:k])
+    r, t = ranks[order], tok[order]
+    gaps, toks = [], []
+    for j in range(k):
+        a, b = (int(ends[j - 1]) if j else 0), int(ends[j])
+        gaps.append(encode_gaps(torch.from_numpy(r[a:b]), 0, int(pops[j]), GapMode.GAP8))
+        toks.append(t[a:b])
+    return gaps, toks
 
 
 def _class_order(cls_all: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -214,6 +214,7 @@ def encode_chunk(
     exhaustive: bool = False,
     terms: list[int] | None = None,
     old: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> bytes:
     """Encode the changes of tensor `name` in [lo, hi) as one chunk.
 
@@ -230,6 +231,9 @@ def encode_chunk(
     fused path (dcr_encode_xor: one call for gaps, tokens, rANS and digest terms).
     old: the receiver's bits of [lo, hi) (the tensor before the change): the context-modelled
     coding (codec/context.py) is tried beside the plain one and the smaller kept.
+    current: the tensor's bits of [lo, hi) after the change (a sender's baseline once the
+    delta is taken), instead of old: the old bits are the current ones except at positions,
+    and the context coding is tried only where its estimate (from a sample) wins.
     """
     info = dtype_info(dtype)
     count, vals, positions = _checked_inputs(name, info, numel, lo, hi, positions, values)
@@ -238,9 +242,13 @@ def encode_chunk(
     gm, vm, lay, streams = _encode_streams(kind, info, lo, hi, count, positions, vals, new_values, value_modes,
                                            layouts, gap_modes, level, exhaustive, terms)
     plain = assemble_chunk(name, kind, info, gm, vm, lay, numel, lo, hi, count, streams)
-    if old is None or not _ctx_applies(kind, info, positions, new_values, count):
+    if (old is None and current is None) or not _ctx_applies(kind, info, positions, new_values, count):
         return plain
-    ctx = _ctx_streams(info, lo, hi, positions, vals, bits(new_values.contiguous()), bits(old.contiguous()), level)
+    nv = bits(new_values.contiguous())
+    walked = bits((old if old is not None else current).contiguous())
+    ctx = _ctx_streams(info, lo, hi, positions, vals, nv, walked, level, is_old=old is not None)
+    if ctx is None:
+        return plain
     coded = assemble_chunk(name, kind, info, GapMode.GAP8, ctx[0], Layout.TOKENS, numel, lo, hi, count, ctx[2],
                            classes=ctx[1])
     return coded if len(coded) < len(plain) else plain
@@ -251,19 +259,51 @@ def _ctx_applies(kind: Kind, info: DType, positions, new_values, count: int) -> 
             and context.supported(info.name))
 
 
+# the context coding is built only where its estimate is at most this share of one class's
+# (about the plain coding's): the walk over the range costs about as much as the delta pass
+CTX_MIN_GAIN = 0.97
+
+
 def _ctx_streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor,
-                 old_bits: torch.Tensor, level: int) -> tuple[ValueMode, int, list[Stream]]:
+                 walked: torch.Tensor, level: int, is_old: bool) -> tuple[ValueMode, int, list[Stream]] | None:
     """(value coding, classes, streams) of the context-modelled coding of the changes at
-    positions in [lo, hi), given the old bits of [lo, hi)."""
-    if old_bits.numel() != hi - lo:
-        raise ValueError(f"old bits cover {old_bits.numel()} positions, the range {hi - lo}")
-    exp_all = context.exponents(old_bits, info.name)
+    positions in [lo, hi), from the range's old bits (is_old) or its current (new) ones: they
+    differ only at the positions, where the old values are new ^ xor. The classes are chosen
+    from a sample of the range; None where the estimate says one class would do (the plain
+    coding wins, and the walk over the range is not paid)."""
+    if walked.numel() != hi - lo:
+        raise ValueError(f"{'old' if is_old else 'current'} bits cover {walked.numel()} positions, the range "
+                         f"{hi - lo}")
+    size = context.map_size(info.name)
     p = positions.to(torch.int64).numpy() - lo
+    e_old = context.exponents(nv ^ vals, info.name)
+    e_new = e_old if is_old else context.exponents(nv, info.name)
+    n = context.sampled_counts(walked, info.name)
+    if not is_old:
+        n += np.bincount(e_old, minlength=size)[:size] - np.bincount(e_new, minlength=size)[:size]
     done = tokens(vals, True, nv)
     vm = _ranked_modes(done[2], (ValueMode.RAW, ValueMode.ULP), info.width, False)[0]
     tok, esc, _ = done if vm == ValueMode.ULP else tokens(vals, False, nv)
-    cls_map = context.choose_classes(exp_all, exp_all[p], tok, context.map_size(info.name))
-    k, gaps, toks = context.split(p, tok, cls_map, exp_all)
+    cls_map, est, one = context.choose_classes_from(np.maximum(n, 0), e_old, tok, size)
+    if est > CTX_MIN_GAIN * one:
+        return None
+    k = int(cls_map.max()) + 1
+    ranked = context.ranks_from_current(walked, p, cls_map[e_old], cls_map[e_new], cls_map, k, info.name)
+    if ranked is not None:
+        gaps, toks = context.split_ranked(*ranked, cls_map[e_old], tok, k)
+    else:  # no compiled walk: the old bits themselves, sorted by class
+        old = walked
+        if not is_old:
+            old = walked.clone()
+            old[torch.from_numpy(p)] = nv ^ vals
+        k, gaps, toks = context.split(p, tok, cls_map, context.exponents(old, info.name))
+    return vm, k, _ctx_pack(cls_map, gaps, toks, esc, level)
+
+
+def _ctx_pack(cls_map: np.ndarray, gaps: list[np.ndarray], toks: list[np.ndarray], esc: np.ndarray,
+              level: int) -> list[Stream]:
+    """A context-coded chunk's streams: the class map, each class's gaps, each class's tokens,
+    the escapes (codec/context.py)."""
     streams: list[Stream] = [(cls_map.size, *_pack_stream(cls_map, level))]
     for g in gaps:
         packed, codec = _pack_stream(g, level)
@@ -271,7 +311,7 @@ def _ctx_streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: t
         streams.append((g.size, coded, RANS) if g.size and len(coded) < len(packed) else (g.size, packed, codec))
     streams += [_token_stream(t, ans_encode(t)) for t in toks]
     streams.append((esc.size, *_pack_stream(esc, level)))
-    return vm, k, streams
+    return streams
 
 
 def _encode_streams(kind: Kind, info: DType, lo: int, hi: int, count: int, positions: torch.Tensor | None,
@@ -330,7 +370,10 @@ def encode_batch(dtype: torch.dtype, members: list[tuple[str, int, torch.Tensor,
     if olds is None or not _ctx_applies(Kind.XOR, info, positions, nv, count):
         return plain
     old_bits = torch.cat([bits(o.contiguous()).reshape(-1) for o in olds])
-    vm, k, streams = _ctx_streams(info, 0, off, positions, torch.cat(vals), torch.cat(nv), old_bits, level)
+    ctx = _ctx_streams(info, 0, off, positions, torch.cat(vals), torch.cat(nv), old_bits, level, is_old=True)
+    if ctx is None:
+        return plain
+    vm, k, streams = ctx
     coded = assemble_chunk("", Kind.XOR, info, GapMode.GAP8, vm, Layout.TOKENS, off, 0, off, count, streams,
                            members=head, classes=k)
     return coded if len(coded) < len(plain) else plain
@@ -381,75 +424,23 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     return g, ValueMode(ulp), ans[:na].tobytes(), esc[:ne * w]
 
 
-def _fused_chunk(name: str, info: DType, gm: GapMode, gap_streams: list[Stream], vm: ValueMode, ans: bytes, esc,
-                 numel: int, lo: int, hi: int, count: int, level: int) -> bytes:
-    """An XOR chunk in the TOKENS layout from the fused encoder's streams (the gap stream(s)
-    already packed, the rANS tokens, the escapes zstd-packed here)."""
-    epacked, ecodec = _pack_stream(esc, level)
-    return assemble_chunk(name, Kind.XOR, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
-                          gap_streams + [_token_stream(None, ans, count), (esc.size, epacked, ecodec)])
-
-
-_REC = 13  # dcr_encode_slice's record per chunk (see the C source)
-
-
-def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, new: torch.Tensor,
-                     dtype: torch.dtype, table: np.ndarray, names: list[str], numels: np.ndarray, span: int,
-                     level: int) -> list[tuple[int, list[bytes], int, list[int]]] | None:
-    """Every chunk of one parameter slice's XOR delta from one compiled call (dcr_encode_slice:
-    the placement's affine maps, the span ranges and the fused encoder), per canonical tensor
-    in the order Placement.project gives them: [(canonical index, chunks, changes, [old, new]
-    digest sums)], byte for byte the chunks and terms of Placement.project plus encode_sparse
-    (the worker's path without Python per segment and chunk). positions:
-    the slice's sorted local positions (+ add); table: ParamMap.segment_table(); names and
-    numels: its canonical tensors. None where the slice needs the generic coding (a chunk with
-    a mean gap of 512 or more, or many escaped values) or a buffer would not do. The chunks
-    come back together, so a slice's first chunk is uploaded once the whole slice is encoded
-    (the Python path handed each chunk on as it was done): at about 11 GB/s of dense input
-    per core at 5% changed, a 1 GB slice is about 0.1 s later."""
-    info = dtype_info(dtype)
-    positions, xor, new = positions.contiguous(), xor.contiguous(), new.contiguous()
-    count, w = xor.numel(), info.width
-    chunks = int(sum(-(-int(n) // span) for n in numels))  # at most
-    gcap = count + int(numels.sum()) // 255 + 2 * chunks + 16  # the sum of the chunks' gap_bound
-    acap = count + count // 2 + 704 * chunks  # the sum of their rANS bounds
-    _, sp = _scratch("slice_pos", count, np.int64)
-    _, sxp = _scratch("slice_xor", count * w)
-    _, snp = _scratch("slice_new", count * w)
-    gaps, gp = _scratch("slice_gaps", gcap)
-    ans, ap = _scratch("slice_ans", acap)
-    esc, ep = _scratch("slice_esc", count * w)
-    rec, rp = _scratch("slice_rec", _REC * chunks, np.int64)
-    n = lib.dcr_encode_slice(positions.data_ptr(), int(positions.dtype == torch.int64), count, add, xor.data_ptr(),
-                             new.data_ptr(), w, table.shape[0], table.ctypes.data, len(names), numels.ctypes.data,
-                             span, sp, sxp, snp, count, gp, gcap, ap, acap, ep, count, rp, chunks)
-    if n in (-11, -1):
-        return None
-    if n < 0:
-        raise ValueError(f"slice encoder: positions out of order or outside the slice's segments ({n})")
-    out: list = []  # the C call writes each canonical tensor's chunks in a row
-    for cid, lo, hi, c, ulp, go, gl, ao, al, eo, ne, s_old, s_new in rec[:_REC * n].reshape(n, _REC).tolist():
-        g = gaps[go:go + gl]
-        chunk = _fused_chunk(names[cid], info, GapMode.GAP8, [(g.size, *_pack_stream(g, level))], ValueMode(ulp),
-                             ans[ao:ao + al].tobytes(), esc[eo * w:(eo + ne) * w], int(numels[cid]), lo, hi, c, level)
-        if not out or out[-1][0] != cid:
-            out.append((cid, [], 0, [0, 0]))
-        cid, cs, total, terms = out[-1]
-        cs.append(chunk)
-        terms[0], terms[1] = (terms[0] + s_old) & digest.MASK, (terms[1] + s_new) & digest.MASK
-        out[-1] = (cid, cs, total + c, terms)
-    return out
-
-
 # --------------------------------------------------------------------------- tensors
-def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_SPAN):
-    """Yield (lo, hi, start, end): position-range chunks and their slice of positions."""
+def split_ranges(positions: torch.Tensor, numel: int, span: int = DEFAULT_CHUNK_SPAN,
+                 within: tuple[int, int] | None = None):
+    """Yield (lo, hi, start, end): position-range chunks and their slice of positions; within:
+    ranges cut at its ends too (a sender that holds only that run of the tensor)."""
     if numel == 0:
         return
-    if numel <= span:  # one range (most tensors): no search
+    if within is not None:
+        a, b = within
+        first = (a // span + 1) * span
+        inner = torch.arange(first, b, span, dtype=torch.int64) if first < b else torch.empty(0, dtype=torch.int64)
+        bounds = torch.cat([torch.tensor([a]), inner, torch.tensor([b])])
+    elif numel <= span:  # one range (most tensors): no search
         yield 0, numel, 0, positions.numel()
         return
-    bounds = torch.arange(0, numel + span, span, dtype=torch.int64).clamp_(max=numel)
+    else:
+        bounds = torch.arange(0, numel + span, span, dtype=torch.int64).clamp_(max=numel)
     idx = torch.searchsorted(positions.to(torch.int64), bounds).tolist()
     b = bounds.tolist()
     for i in range(len(b) - 1):
@@ -461,32 +452,38 @@ def encode_sparse(name: str, kind: Kind, dtype: torch.dtype, numel: int, positio
                   values: torch.Tensor, new_values: torch.Tensor | None = None, *,
                   span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
                   value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None,
-                  old: torch.Tensor | None = None) -> list[bytes]:
+                  old: torch.Tensor | None = None, current: torch.Tensor | None = None,
+                  within: tuple[int, int] | None = None) -> list[bytes]:
     """Chunks for sorted positions of one tensor (split into ranges of `span` positions);
-    terms and old (the whole tensor before the change) as in encode_chunk."""
+    terms, old and current (the whole tensor before / after the change) as in encode_chunk.
+    within: (a, b), the run of the tensor the sender holds: ranges are cut at its ends and
+    current holds positions [a, b) only."""
     out = []
     flat_old = None if old is None else old.reshape(-1)
-    for lo, hi, s, e in split_ranges(positions, numel, span):
+    flat_cur = None if current is None else current.reshape(-1)
+    at = 0 if within is None else within[0]
+    for lo, hi, s, e in split_ranges(positions, numel, span, within):
         if e > s:
             out.append(encode_chunk(name, kind, dtype, numel, lo, hi, positions[s:e], values[s:e],
                                     None if new_values is None else new_values[s:e],
                                     value_modes=value_modes, level=level, terms=terms,
-                                    old=None if flat_old is None else flat_old[lo:hi]))
+                                    old=None if flat_old is None else flat_old[lo:hi],
+                                    current=None if flat_cur is None else flat_cur[lo - at:hi - at]))
     return out
 
 
 def encode_delta(name: str, delta: SparseDelta, new_tensor: torch.Tensor | None = None, *,
                  span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
                  value_modes: tuple[ValueMode, ...] | None = None, terms: list[int] | None = None,
-                 old: torch.Tensor | None = None) -> list[bytes]:
+                 old: torch.Tensor | None = None, current: torch.Tensor | None = None) -> list[bytes]:
     """XOR chunks for one tensor's delta. The new values (for ulp coding) come from
-    delta.new, or are gathered from new_tensor (the tensor's new bits) if given; terms and old
-    as in encode_sparse."""
+    delta.new, or are gathered from new_tensor (the tensor's new bits) if given; terms, old
+    and current as in encode_sparse."""
     new = delta.new
     if new is None and new_tensor is not None:
         new = bits(new_tensor)[delta.positions.to(torch.int64)]
     return encode_sparse(name, Kind.XOR, delta.dtype, delta.numel, delta.positions, delta.xor, new,
-                         span=span, level=level, value_modes=value_modes, terms=terms, old=old)
+                         span=span, level=level, value_modes=value_modes, terms=terms, old=old, current=current)
 
 
 def encode_overwrite(name: str, tensor: torch.Tensor, positions: torch.Tensor | None = None, *,

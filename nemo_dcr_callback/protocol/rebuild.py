@@ -113,7 +113,8 @@ class Replica:
                 if t is None:
                     raise codec.ChunkError(f"version {v}: no tensor {part.name!r} here (wrong model?)")
                 codec.check_target(part, t, part.name)
-            decoded += codec.decode_parts(c, h)
+            # context-coded chunks read the old bits: nothing of v is applied yet
+            decoded += codec.decode_parts(c, h, old=lambda m: self.tensors[m.name])
         dg = dict(self.digests)
         for dc in decoded:
             n = dc.header.name

@@ -29,6 +29,7 @@ import xxhash
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec.decode import OldBits
 from nemo_dcr_callback.config import FETCH_LANES
 from nemo_dcr_callback.core.bitops import scatter, ulp_negate
 from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, OP_ULP, OP_XOR, bits
@@ -125,21 +126,25 @@ class Parts:
         self.terms = {}
 
 
-def _decode_checked(c: bytes | memoryview, check: Callable[[codec.ChunkHeader], None]) -> list[codec.DecodedChunk]:
+Check = Callable[[codec.ChunkHeader], None]
+
+
+def _decode_checked(c: bytes | memoryview, check: Check, old: OldBits | None = None) -> list[codec.DecodedChunk]:
     """One chunk of a part: its checksum and header verified, every tensor it writes checked
-    against the target, decoded (one DecodedChunk per tensor: a batched chunk holds several)."""
+    against the target, decoded (one DecodedChunk per tensor: a batched chunk holds several).
+    old: the target's bits of a tensor (context-coded chunks are decoded from them)."""
     h = codec.parse_header(c)
     for part in h.parts():
         check(part)
-    return codec.decode_parts(c, h)
+    return codec.decode_parts(c, h, old)
 
 
 class _PartDecoder:
     """One part's chunks, each verified (checksum, target) and decoded as soon as its last byte
     is in; the part's length and xxh3 are taken as it arrives, for the manifest check."""
 
-    def __init__(self, check: Callable[[codec.ChunkHeader], None]):
-        self.check = check
+    def __init__(self, check: Check, old: OldBits | None = None):
+        self.check, self.old = check, old
         self.reset()
 
     def reset(self) -> None:  # a fetch that broke off starts again from the first byte
@@ -157,7 +162,7 @@ class _PartDecoder:
                 if end is None or end > len(mv):
                     break
                 c = bytes(mv[self.off:end])  # a copy: the buffer grows under it
-            self.decoded += _decode_checked(c, self.check)
+            self.decoded += _decode_checked(c, self.check, self.old)
             self.off = end
         if self.off >= 1 << 20:  # drop the decoded bytes
             del self.buf[:self.off]
@@ -169,13 +174,15 @@ class _PartDecoder:
         return self.size, self.hash.hexdigest(), self.decoded
 
 
-def fetch_part(store, key: str, check: Callable[[codec.ChunkHeader], None]) -> tuple[str, int, str, list]:
+def fetch_part(store, key: str, check: Check, old: OldBits | None = None) -> tuple[str, int, str, list]:
     """Fetch one part, verify it (chunk checksums, `check` against the target) and decode it:
     chunk by chunk as its bytes arrive where the store streams them (S3), so after a part's
-    last byte only its last chunk is left to decode. Returns (key, bytes, xxh3, decoded)."""
+    last byte only its last chunk is left to decode. `old` reads the target's bits of a tensor
+    for context-coded chunks: they must be the version's base (the Follower fetches a version
+    only while it holds its base). Returns (key, bytes, xxh3, decoded)."""
     pieces = getattr(store, "get_pieces", None)
     if pieces is not None:
-        part = _PartDecoder(check)
+        part = _PartDecoder(check, old)
         try:
             pieces(key, part)
         except KeyError:
@@ -185,5 +192,5 @@ def fetch_part(store, key: str, check: Callable[[codec.ChunkHeader], None]) -> t
         blob = store.get(key)
     except KeyError:
         raise codec.ChunkError(f"{key}: part missing from the store") from None
-    decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check)]
+    decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check, old)]
     return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded

@@ -13,11 +13,14 @@ deltas; one with nothing, or too far behind, starts from a keyframe (protocol/re
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
+
+import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
@@ -74,6 +77,8 @@ class Follower:
         self.poll_s = cfg.poll_s
         self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
         self._parts: dict[int, Parts] = {}
+        self._old_lock = threading.Lock()  # the cache of old bits read through a loader, by version held
+        self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         # called with (version, error) at each refusal, also the ones acked and gone on from
         self.on_refuse: Callable[[int, BaseException], None] | None = None
@@ -135,7 +140,32 @@ class Follower:
     # ------------------------------------------------------------ fetching
     def _fetch_one(self, key: str):
         """One part fetched, verified against the target and decoded (fetch.fetch_part)."""
-        return fetch_part(self.store, key, self.target.check)
+        return fetch_part(self.store, key, self.target.check, self._old_bits)
+
+    def _old_bits(self, h: codec.ChunkHeader) -> torch.Tensor:
+        """A tensor's bits as the target holds them (the version held: a version is fetched
+        only while its base is held), for context-coded chunks: a flat view where the target
+        has one, else the canonical tensor read through its loader's copies (kept for the
+        version held: a tensor of several chunks is read once)."""
+        flat = getattr(self.target, "flat", None)
+        if flat is not None:
+            t = flat(h.name)
+            return t if t.is_cpu else t.cpu()
+        canonical = getattr(self.target, "canonical", None)
+        if canonical is None:
+            raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver "
+                                   f"({type(self.target).__name__}) cannot read the bits it holds")
+        with self._old_lock:
+            if self._old_cache[0] != self.version:
+                self._old_cache = (self.version, {})
+            held = self._old_cache[1]
+            if h.name not in held:
+                t = canonical(h.name)
+                if t is None:
+                    raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver holds only "
+                                           "part of that tensor (tensor parallel): it cannot read the old bits")
+                held[h.name] = t.reshape(-1) if t.is_cpu else t.reshape(-1).cpu()
+            return held[h.name]
 
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
         """Every part of `keys` held: waits for the ones fetching in the background, fetches
@@ -292,6 +322,7 @@ class Follower:
                 new = self._terms(decoded)
                 checked = self._check_digests(v, rec, {n: (old[n], new[n]) for n in old})
         self.version = v
+        self._old_cache = (-1, {})
         self._parts.pop(v, None)
         if self.receiver_id and time.monotonic() - self._registered_at >= self.register_every_s:
             commit.register(self.store, self.receiver_id, v)

@@ -74,6 +74,6 @@ def apply_chunks(state: dict[str, torch.Tensor], chunks: list[bytes]) -> int:
         h = codec.parse_header(c)
         for part in h.parts():
             target.check(part)
-        decoded += codec.decode_parts(c, h)
+        decoded += codec.decode_parts(c, h, old=lambda m: state[m.name])  # before any is applied
     target.apply(decoded)
     return sum(d.header.count for d in decoded)
