@@ -64,6 +64,7 @@ class PublisherConfig:
     worker: Literal["process", "thread"] = "process"  # where encoding and upload run
     nice: int = 19  # the worker's nice value (19, in a process: only on otherwise idle CPU)
     resume: bool = False  # a store with versions: rebase on its last committed one (a restarted job)
+    context: bool = True  # context-code chunks where it wins (the worker keeps a host copy of the shard)
 
     def __post_init__(self):
         check_baseline_option(self.baseline)
@@ -124,6 +125,7 @@ class DCRConfig:
     part_bytes: int = PublisherConfig.part_bytes  # chunks are uploaded in parts of about this size
     baseline: str = PublisherConfig.baseline  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
+    context: bool = PublisherConfig.context  # context-code chunks where it wins (a host copy of the shard)
 
     def __post_init__(self):  # bad options are refused when the trainer is built, not at its first step
         if self.every_n_steps < 1:
@@ -141,4 +143,5 @@ class DCRConfig:
         """Every rank's Publisher."""
         return PublisherConfig(max_pending_bytes=self.max_pending_bytes, span=self.chunk_span, level=self.zstd_level,
                                seal_timeout=self.seal_timeout, policy=self.commit_policy_config(),
-                               part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume)
+                               part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume,
+                               context=self.context)

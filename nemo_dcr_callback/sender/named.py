@@ -48,9 +48,13 @@ class NamedSender:
     publishes with it; the link benchmark and tests use it directly."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
-                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu"):
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu",
+                 context: bool = True):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
+        # context coding (codec/context.py) from the baselines, which hold the new bits once a
+        # delta is taken; host baselines only (a GPU one would be read back whole each version)
+        self.context = context
         self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
         cuda_kernels.check_baseline_option(baseline)
         self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
@@ -95,7 +99,10 @@ class NamedSender:
             changed += d.count
             if d.count:
                 terms = [0, 0]
-                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms):
+                b = self.baselines[n]
+                cur = b if self.context and b.is_cpu else None
+                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms,
+                                            current=cur):
                     w.add(c)
                     if after_chunk is not None:
                         after_chunk()
@@ -129,7 +136,7 @@ class NamedPublisher:
 
     def __init__(self, store, tensors: Tensors | None, *, policy: CommitPolicy | None = None,
                  config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
-                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1,
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, context: bool = True,
                  log: Callable[[str], None] | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()
@@ -151,7 +158,7 @@ class NamedPublisher:
                 _check_names(held, current, f"the store's version {last}")
                 held = {n: t.to(current[n].device) for n, t in held.items()}
         self.last, self.newest = last, newest  # last committed; newest version number used
-        self.sender = NamedSender(held, span=span, level=level)
+        self.sender = NamedSender(held, span=span, level=level, context=context)
         self.sender.tensors = {}  # publish passes the tensors each time: hold the baselines only
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec import context, digest
 from nemo_dcr_callback.codec.format import DEFAULT_CHUNK_SPAN
 from nemo_dcr_callback.core import cuda_kernels, kernels
 from nemo_dcr_callback.core.delta import Scratch, take_delta, undo
 from nemo_dcr_callback.core.rawbits import SparseDelta, bits
 from nemo_dcr_callback.placement.maps import ParamMap, Placement
+from nemo_dcr_callback.sender.mirror import Key, Mirror
 
 
 @dataclass
@@ -76,8 +77,10 @@ class Encoder:
     # projection, chunking and encoding in one call, the same chunks); False: the Python path.
     fused_slices: bool = True
 
-    def __init__(self, placement: Placement, span: int = DEFAULT_CHUNK_SPAN, level: int = 1):
+    def __init__(self, placement: Placement, span: int = DEFAULT_CHUNK_SPAN, level: int = 1,
+                 mirror: Mirror | None = None):
         self.placement, self.span, self.level = placement, span, level
+        self.mirror = mirror  # the new bits of the runs this rank owns whole: context coding (mirror.py)
 
     def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
                digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
@@ -99,6 +102,7 @@ class Encoder:
                     emit(c)
             st.per_tensor[name] = st.per_tensor.get(name, 0) + n
 
+        mirror = self.mirror
         for pm, d in taken:
             st.params += pm.hi - pm.lo
             st.changed += d.count
@@ -106,7 +110,8 @@ class Encoder:
                 st.residual_changed += d.count
             if d.count == 0:
                 continue
-            if (lib is not None and not pm.residual and d.xor.element_size() > 1 and d.new is not None
+            ctx = mirror is not None and not pm.residual and any(mirror.get(pm.name, c) for c in pm.canon)
+            if (lib is not None and not ctx and not pm.residual and d.xor.element_size() > 1 and d.new is not None
                     and pm.dtype.is_floating_point and not d.positions.is_cuda):
                 got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
                                              pm.canon, self.placement.numels(pm), self.span, self.level)
@@ -127,8 +132,16 @@ class Encoder:
                                               span=self.span, level=self.level)
                 else:  # the encoder adds the changes' digest terms as it goes (no second pass)
                     terms = None if digests is None else [0, 0]
-                    out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
-                                              span=self.span, level=self.level, terms=terms)
+                    run = mirror.get(pm.name, pr.name) if ctx else None
+                    if run is None:
+                        out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
+                                                  span=self.span, level=self.level, terms=terms)
+                    else:  # the run moves to this version's bits, then is coded from them
+                        a, cur = run
+                        mirror.advance((pm.name, pr.name), pos - a, bits(new))
+                        out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
+                                                  span=self.span, level=self.level, terms=terms, current=cur,
+                                                  within=(a, a + cur.numel()))
                     if terms is not None:
                         digests[pr.name] = digest.move(digests.get(pr.name, 0), terms)
                 deliver(pr.name, out, pos.numel())
@@ -235,6 +248,22 @@ class ShardSender:
             base = _host(self.baselines[pm.name])
             for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
                 out[pr.name] = (out.get(pr.name, 0) + digest.sum64(_gather(base, pr.parts), pr.positions)) & digest.MASK
+        return out
+
+    def context_runs(self) -> dict[Key, tuple[int, torch.Tensor]]:
+        """The worker's context copy (mirror.py) at the current baselines: for each canonical
+        tensor a slice reaches as one contiguous run, where the run starts and its bits (a
+        copy, on the host). O(shard) once, when the worker starts."""
+        out: dict[Key, tuple[int, torch.Tensor]] = {}
+        for pm in self.active:
+            if pm.residual or not context.supported(codec.dtype_info(pm.dtype).name):
+                continue
+            base = None
+            for pr in Placement.project(pm, np.arange(pm.lo, pm.hi, dtype=np.int64)):
+                p = pr.positions
+                if p.size and int(p[-1]) - int(p[0]) + 1 == p.size:
+                    base = _host(self.baselines[pm.name]) if base is None else base
+                    out[(pm.name, pr.name)] = (int(p[0]), bits(_gather(base, pr.parts)).clone())
         return out
 
     def coverage(self) -> dict[str, np.ndarray]:

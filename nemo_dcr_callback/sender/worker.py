@@ -23,6 +23,7 @@ from nemo_dcr_callback.config import PART_BYTES, CommitPolicy
 from nemo_dcr_callback.placement import Placement
 from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Reset, Stop, Uploaded
+from nemo_dcr_callback.sender.mirror import Mirror
 from nemo_dcr_callback.sender.shard import Encoder
 from nemo_dcr_callback.sender.shm import unpack
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
@@ -49,6 +50,9 @@ class WorkerSpec:
     base_version: int
     digests: dict[str, int]  # this rank's slice digests at base_version
     part_bytes: int = PART_BYTES
+    # context coding: the new bits of the runs this rank owns whole at base_version
+    # (ShardSender.context_runs; mirror.py); None: plain coding only
+    context_runs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ class _Worker:
 
     def __init__(self, spec: WorkerSpec, store, results):
         self.spec, self.store, self.results = spec, store, results
-        self.encoder = Encoder(spec.placement, spec.span, spec.level)
+        mirror = None if spec.context_runs is None else Mirror(spec.context_runs, spec.base_version)
+        self.encoder = Encoder(spec.placement, spec.span, spec.level, mirror)
         self.digests = {spec.base_version: dict(spec.digests)}  # version -> this rank's slice digests
         self.status = {spec.base_version: "commit"}  # version -> "commit" | "abort"
         self.staged: queue.Queue = queue.Queue()  # upload stage -> commit stage
@@ -100,7 +105,17 @@ class _Worker:
             t0 = time.perf_counter()
             w = upload.RankWriter(self.store, job.version, job.base, spec.rank, spec.world, part_bytes=spec.part_bytes)
             dig = dict(self.digests[job.base])
-            ss = self.encoder.encode(taken, emit=w.add, digests=dig)[1]
+            mirror = self.encoder.mirror
+            if mirror is not None:
+                mirror.begin(job.version, job.base)
+            try:
+                ss = self.encoder.encode(taken, emit=w.add, digests=dig)[1]
+            except BaseException:
+                if mirror is not None:
+                    mirror.end(False)
+                raise
+            if mirror is not None:
+                mirror.end(True)
             faults.point("sender.parts_uploaded", rank=spec.rank, version=job.version)
             t1 = time.perf_counter()
             w.finish(ss.params, ss.changed, dig)
@@ -161,6 +176,8 @@ class _Worker:
 
     def settle(self, version: int, decision: str) -> None:
         self.status[version] = decision
+        if self.encoder.mirror is not None:
+            self.encoder.mirror.settle(version, decision)
         if decision == "commit":  # older digests are no longer needed
             for v in [v for v in self.digests if v < version]:
                 self.digests.pop(v, None)

@@ -95,6 +95,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dist-opt", action="store_true")
     ap.add_argument("--family", default="llama")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--context", action="store_true",
+                    help="context coding from the worker's copy (sender/mirror.py), undone and redone at the abort")
     moe_arguments(ap)
     a = ap.parse_args()
 
@@ -107,6 +111,7 @@ def main() -> int:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp)
+    from nemo_dcr_callback import codec
     from nemo_dcr_callback.placement import FAMILIES, build_placement, dense_export
     from nemo_dcr_callback.receiver.targets import apply_chunks
     from nemo_dcr_callback.recipes.megatron_model import (
@@ -120,12 +125,19 @@ def main() -> int:
     rank = dist.get_rank()
     family = FAMILIES[a.family]
     cfg = TinyGPTConfig(num_layers=a.layers, num_attention_heads=a.heads, num_query_groups=a.groups,
-                        vocab_size=a.vocab, tie_word_embeddings=a.tie, **moe_config(a))
+                        vocab_size=a.vocab, tie_word_embeddings=a.tie, hidden_size=a.hidden, ffn_hidden_size=a.ffn,
+                        **moe_config(a))
     model = build_model(cfg)
     ddp, opt = wrap_for_training(model, lr=a.lr, distributed_optimizer=a.dist_opt)
     dp = ps.get_data_parallel_world_size()
     placement = build_placement(model, family, a.vocab, dp_rank=ps.get_data_parallel_rank(), dp_size=dp)
     sender = ShardSender(placement)
+    mirror = None
+    if a.context:  # as the publisher's worker does: a copy of the runs this rank owns whole
+        from nemo_dcr_callback.sender.mirror import Mirror
+
+        mirror = sender.encoder.mirror = Mirror(sender.context_runs(), 0)
+    ctx_chunks = 0
 
     # Coverage: every canonical element exactly once across all ranks.
     cov = [None] * dist.get_world_size() if rank == 0 else None
@@ -182,20 +194,33 @@ def main() -> int:
         taken = sender.take(step)
         dig_c = sender.digests()
         dig_p = dict(dig_c)
+        if mirror is not None:
+            mirror.begin(step, step - 1)
         chunks, st = sender.encode(taken, digests=dig_c)
-        sender.encoder.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
-        py_chunks, _ = sender.encode(taken, digests=dig_p)
-        sender.encoder.fused_slices = True
-        if py_chunks != chunks or dig_c != dig_p:
-            print(f"FAIL step {step}: the compiled slice encoder and the Python path differ (rank {rank})")
-            return 1
+        if mirror is not None:
+            mirror.end(True)
+            ctx_chunks += sum(codec.parse_header(c).classes > 0 for c in chunks)
+        else:
+            sender.encoder.fused_slices = False  # the Python path (project + encode_sparse) writes the same chunks
+            py_chunks, _ = sender.encode(taken, digests=dig_p)
+            sender.encoder.fused_slices = True
+            if py_chunks != chunks or dig_c != dig_p:
+                print(f"FAIL step {step}: the compiled slice encoder and the Python path differ (rank {rank})")
+                return 1
         if step == 2:  # an aborted refit: the undo log restores the baselines, the retry is identical
             sender.roll_back(step)
+            if mirror is not None:  # the worker's copy goes back to the base too
+                mirror.settle(step, "abort")
+                mirror.begin(step, step - 1)
             again, _ = sender.step(step)
+            if mirror is not None:
+                mirror.end(True)
             if again != chunks:
                 print(f"FAIL step {step}: chunks after abort + retry differ")
                 return 1
         sender.settle(step)
+        if mirror is not None:
+            mirror.settle(step, "commit")
         got = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object((chunks, st.changed, st.params, st.residual_changed), got, dst=0)
         exp = dense_export(model, family, a.vocab)
@@ -217,6 +242,11 @@ def main() -> int:
             print(f"step {step}: changed {changed}/{total} ({changed / total:.2%}, residual {resid}), "
                   f"{len(all_chunks)} chunks, {nbytes} bytes vs {2 * total} dense; "
                   f"{len(exp)} tensors bit-exact with the dense export", flush=True)
+    if mirror is not None:
+        total_ctx = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(ctx_chunks, total_ctx, dst=0)
+        if rank == 0:
+            print(f"context-coded chunks: {sum(total_ctx)}", flush=True)
     if rank == 0:  # buffers moved by training itself (DeepSeek's router bias): sent too
         moved = {k: int((exp[k] != exp0[k]).sum()) for k in exp if k.endswith("e_score_correction_bias")}
         if moved:

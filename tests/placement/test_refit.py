@@ -79,6 +79,21 @@ def test_refit_bit_exact_matrix(nproc, args):
     _run(nproc, args)
 
 
+# Context coding (issue 48) from the worker's copy of the runs a rank owns whole
+# (sender/mirror.py): TP 2 (column shards are runs, row shards are coded plain), and DP 2
+# with the distributed optimizer (each replica a contiguous part of a tensor). Layers wide
+# enough for the context coding to win, so chunks are context-coded; the abort at step 2
+# takes the copy back and the retry must give the same chunks.
+CONTEXT = [pytest.param(2, ["--tp", "2"], id="tp2"),
+           pytest.param(4, ["--tp", "2", "--dist-opt"], id="tp2-dp2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("nproc,args", CONTEXT)
+def test_context_coded_refit_bit_exact(nproc, args):
+    out = _run(nproc, [*args, "--context", "--hidden", "256", "--ffn", "512", "--lr", "1e-4"])
+    assert int(re.search(r"context-coded chunks: (\d+)", out).group(1)) > 0, out
+
+
 @pytest.mark.parametrize("nproc,args", MOE_FAST, ids=_ids(MOE_FAST))
 def test_moe_refit_bit_exact(nproc, args):
     out = _run(nproc, [*args, "--lr", "1e-3"])
