@@ -49,6 +49,23 @@ class CommitPolicy:
             raise ValueError("quorum is a fraction in [0, 1]")
 
 
+# When a sender context-codes a chunk (codec/context.py: smaller, but a walk over the chunk's
+# range costs about a copy of it): "on", wherever the coding comes out smaller; "auto", where
+# it comes out smaller while the upload is behind (a part's worth of bytes still queued for
+# the link: the CPU would otherwise wait); "off", never. On a fast link the walk costs more
+# time than the bytes it saves (docs/PERFORMANCE.md).
+CONTEXT_MODES = ("auto", "on", "off")
+
+
+def context_mode(value: str | bool) -> str:
+    """A context option (YAML's true / false too) as one of CONTEXT_MODES."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in CONTEXT_MODES:
+        raise ValueError(f"context must be one of {', '.join(CONTEXT_MODES)} (or true / false), not {value!r}")
+    return value
+
+
 @dataclass
 class PublisherConfig:
     """How a Publisher sends. DCRConfig.publisher_config() builds it from the callback's
@@ -64,10 +81,11 @@ class PublisherConfig:
     worker: Literal["process", "thread"] = "process"  # where encoding and upload run
     nice: int = 19  # the worker's nice value (19, in a process: only on otherwise idle CPU)
     resume: bool = False  # a store with versions: rebase on its last committed one (a restarted job)
-    context: bool = True  # context-code chunks where it wins (the worker keeps a host copy of the shard)
+    context: str = "auto"  # context coding: auto | on | off (CONTEXT_MODES)
 
     def __post_init__(self):
         check_baseline_option(self.baseline)
+        self.context = context_mode(self.context)
         if self.worker not in ("process", "thread"):
             raise ValueError(f"worker must be 'process' or 'thread', not {self.worker!r}")
 
@@ -125,7 +143,7 @@ class DCRConfig:
     part_bytes: int = PublisherConfig.part_bytes  # chunks are uploaded in parts of about this size
     baseline: str = PublisherConfig.baseline  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
-    context: bool = PublisherConfig.context  # context-code chunks where it wins (a host copy of the shard)
+    context: str = PublisherConfig.context  # context coding: auto | on | off (CONTEXT_MODES)
 
     def __post_init__(self):  # bad options are refused when the trainer is built, not at its first step
         if self.every_n_steps < 1:

@@ -66,6 +66,14 @@ def _bin(logit: np.ndarray, present: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def _rows_bits(h: np.ndarray) -> float:
+    """The order-0 information of each row of a matrix of histograms, summed, in bits."""
+    tot = h.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(h > 0, h * np.log2(np.where(h > 0, h, 1) / np.where(tot > 0, tot, 1)), 0.0)
+    return float(-t.sum())
+
+
 def _bits(counts: np.ndarray) -> float:
     """Order-0 information of a histogram, in bits."""
     c = counts[counts > 0].astype(np.float64)
@@ -92,15 +100,17 @@ def choose_classes_from(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray,
         return np.zeros(size, dtype=np.uint8), 0.0, 0.0
     logit = np.log2((c + 0.5) / (n - c + 0.5))
     th = np.bincount(exp_changed.astype(np.int64) * 256 + tok, minlength=size * 256).reshape(size, 256)
+    th = th[present].astype(np.float64)  # (exponents that occur) x tokens
     best = one = None
-    for k in (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES):
+    for k in (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES):  # every class's cost at once: this runs per chunk
         cls = _bin(logit, present, k)
         kk = int(cls.max()) + 1
         nk = np.bincount(cls, weights=n, minlength=kk)
         ck = np.bincount(cls, weights=c, minlength=kk)
-        tk = np.eye(kk)[cls].T @ th  # each class's token histogram
-        cost = sum(_bits(np.array([ck[j], nk[j] - ck[j]])) + _bits(tk[j]) for j in range(kk))
-        cost += 8 * sum(2 * 64 + 2 * np.count_nonzero(tk[j]) + 2 * 40 for j in range(kk))  # tables, roughly
+        tk = np.zeros((kk, 256))
+        tk[:, :] = np.eye(kk)[cls[present]].T @ th  # each class's token histogram
+        cost = _rows_bits(np.stack([ck, nk - ck], axis=1)) + _rows_bits(tk)
+        cost += 8 * (kk * (2 * 64 + 2 * 40) + 2 * np.count_nonzero(tk))  # tables, roughly
         if one is None:
             one = cost
         if best is None or cost < best[0]:

@@ -104,8 +104,11 @@ def _refit_arguments(p: argparse.ArgumentParser) -> None:
                         "default), parts as they arrive (early), or everything after the commit (late)")
     p.add_argument("--deltas", default="adamw,uniform",
                    help="kinds of versions, in order: adamw (fp32 masters, AdamW-like steps), uniform")
+    p.add_argument("--context", choices=["auto", "on", "off"], default="auto",
+                   help="when the sender context-codes (dcr.context): auto (default), on, off")
     p.add_argument("--no-context-share", action="store_true",
-                   help="skip encoding each version again with context coding (its share column)")
+                   help="skip encoding each version again off the path, plain and context-coded (the share "
+                        "columns)")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
 
 
@@ -117,7 +120,7 @@ def _refit(args: argparse.Namespace) -> int:
         raise ValueError(f"--deltas: kinds are {', '.join(refit.DELTAS)}")
     refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
               json_path=args.json, apply=args.apply, repeats=args.repeats, deltas=deltas,
-              context_share=not args.no_context_share)
+              context_share=not args.no_context_share, context=args.context)
     return 0
 
 

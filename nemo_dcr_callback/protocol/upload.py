@@ -37,6 +37,13 @@ class RankWriter:
         self._buf: list[bytes] = []
         self._size = 0
         self._futs: list = []
+        self._sizes: dict[int, int] = {}  # id(future) -> its part's bytes
+
+    def backlog(self) -> int:
+        """Bytes of parts handed to the store and not yet uploaded: where this stays above a
+        part, the link, not the encoder, is the bottleneck (a sender then has CPU to spare for
+        a smaller coding). A store without a pool uploads in add(): never a backlog."""
+        return sum(self._sizes.get(id(f), 0) for f in self._futs if not f.done())
 
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)
@@ -61,6 +68,7 @@ class RankWriter:
         while len(self._futs) >= self.max_inflight:  # bounded memory: wait for the oldest upload
             self._futs.pop(0).result()
         self._futs.append(pool().submit(self.store.put, key, data, False))
+        self._sizes = {id(f): self._sizes.get(id(f), len(data)) for f in self._futs}
 
     def finish(self, params: int, changed: int, digests: dict[str, int]) -> RankManifest:
         self._flush_part()

@@ -24,13 +24,13 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.config import PART_BYTES, CommitPolicy
+from nemo_dcr_callback.config import PART_BYTES, CommitPolicy, context_mode
 from nemo_dcr_callback.core import cuda_kernels
 from nemo_dcr_callback.core.delta import Scratch, undo
 from nemo_dcr_callback.core.rawbits import SparseDelta
 from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.protocol.rebuild import committed_keyframes, reconstruct
-from nemo_dcr_callback.sender.shard import _host, _take
+from nemo_dcr_callback.sender.shard import _host, _take, context_gate
 from nemo_dcr_callback.transport.store import open_store
 
 __all__ = ["NamedPublisher", "NamedSender", "PublishError"]
@@ -49,12 +49,13 @@ class NamedSender:
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu",
-                 context: bool = True):
+                 context: str | bool = "auto"):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
-        # context coding (codec/context.py) from the baselines, which hold the new bits once a
-        # delta is taken; host baselines only (a GPU one would be read back whole each version)
-        self.context = context
+        # context coding (codec/context.py; when: config.CONTEXT_MODES) from the baselines,
+        # which hold the new bits once a delta is taken; host baselines only (a GPU one would be
+        # read back whole each version)
+        self.context = context_mode(context)
         self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
         cuda_kernels.check_baseline_option(baseline)
         self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
@@ -92,6 +93,7 @@ class NamedSender:
         """Encode and stream one version's chunks (parts uploaded as they fill), then the
         manifest with the moved digests (kept, for the next version, by settle())."""
         w = upload.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
+        context_now = context_gate(self.context, w)
         dig = dict(self.digests)
         params = changed = 0
         for n, d in taken:
@@ -100,7 +102,7 @@ class NamedSender:
             if d.count:
                 terms = [0, 0]
                 b = self.baselines[n]
-                cur = b if self.context and b.is_cpu else None
+                cur = b if b.is_cpu and context_now() else None
                 for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms,
                                             current=cur):
                     w.add(c)
@@ -136,7 +138,7 @@ class NamedPublisher:
 
     def __init__(self, store, tensors: Tensors | None, *, policy: CommitPolicy | None = None,
                  config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
-                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, context: bool = True,
+                 span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, context: str | bool = "auto",
                  log: Callable[[str], None] | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()

@@ -92,7 +92,7 @@ class Publisher:
                           self.placement.dtype)
         spec = WorkerSpec(light, self.store.url, self.rank, self.world, cfg.span, cfg.level, cfg.seal_timeout,
                           cfg.nice, self.policy, base_version, self.sender.digests(), cfg.part_bytes,
-                          self.sender.context_runs() if cfg.context else None)
+                          self.sender.context_runs() if cfg.context != "off" else None, cfg.context)
         if self._process:
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()

@@ -52,6 +52,13 @@ def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_ke
     return take_delta(cur, base, keep_new=True, scratch=scratch, out=out, threads=threads)
 
 
+def context_gate(mode: str, writer) -> Callable[[], bool]:
+    """Whether to try context coding now (config.CONTEXT_MODES), given the upload's RankWriter."""
+    if mode == "auto":
+        return lambda: writer.backlog() >= writer.part_bytes
+    return (lambda: True) if mode == "on" else (lambda: False)
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t.cpu() if t.is_cuda else t
 
@@ -83,11 +90,14 @@ class Encoder:
         self.mirror = mirror  # the new bits of the runs this rank owns whole: context coding (mirror.py)
 
     def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
-               digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
+               digests: dict[str, int] | None = None,
+               context_now: Callable[[], bool] | None = None) -> tuple[list[bytes], StepStats]:
         """Projection and encoding (may run in a background thread): canonical chunks, each
         passed to `emit` as soon as it is encoded (a slice through the compiled slice encoder:
         once the slice is) and then not returned, or returned. `digests` (canonical name ->
-        this rank's slice digest) is moved forward by the changes."""
+        this rank's slice digest) is moved forward by the changes. With a mirror, a slice's
+        runs are context-coded where context_now() (asked per slice; None: always) says so;
+        the mirror moves either way."""
         chunks: list[bytes] = []
         st = StepStats()
         lib = kernels.native() if self.fused_slices else None
@@ -110,8 +120,9 @@ class Encoder:
                 st.residual_changed += d.count
             if d.count == 0:
                 continue
-            ctx = mirror is not None and not pm.residual and any(mirror.get(pm.name, c) for c in pm.canon)
-            if (lib is not None and not ctx and not pm.residual and d.xor.element_size() > 1 and d.new is not None
+            runs = mirror is not None and not pm.residual and any(mirror.get(pm.name, c) for c in pm.canon)
+            ctx = runs and (context_now is None or context_now())
+            if (lib is not None and not runs and not pm.residual and d.xor.element_size() > 1 and d.new is not None
                     and pm.dtype.is_floating_point and not d.positions.is_cuda):
                 got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
                                              pm.canon, self.placement.numels(pm), self.span, self.level)
@@ -132,13 +143,14 @@ class Encoder:
                                               span=self.span, level=self.level)
                 else:  # the encoder adds the changes' digest terms as it goes (no second pass)
                     terms = None if digests is None else [0, 0]
-                    run = mirror.get(pm.name, pr.name) if ctx else None
-                    if run is None:
+                    run = mirror.get(pm.name, pr.name) if runs else None
+                    if run is not None:  # the run moves to this version's bits (coded from them or not)
+                        mirror.advance((pm.name, pr.name), pos - run[0], bits(new))
+                    if run is None or not ctx:
                         out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
                                                   span=self.span, level=self.level, terms=terms)
-                    else:  # the run moves to this version's bits, then is coded from them
+                    else:
                         a, cur = run
-                        mirror.advance((pm.name, pr.name), pos - a, bits(new))
                         out = codec.encode_sparse(pr.name, codec.Kind.XOR, pm.dtype, numel, pos, xor, new,
                                                   span=self.span, level=self.level, terms=terms, current=cur,
                                                   within=(a, a + cur.numel()))

@@ -24,7 +24,7 @@ from nemo_dcr_callback.placement import Placement
 from nemo_dcr_callback.protocol import commit, upload
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Reset, Stop, Uploaded
 from nemo_dcr_callback.sender.mirror import Mirror
-from nemo_dcr_callback.sender.shard import Encoder
+from nemo_dcr_callback.sender.shard import Encoder, context_gate
 from nemo_dcr_callback.sender.shm import unpack
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
@@ -51,8 +51,10 @@ class WorkerSpec:
     digests: dict[str, int]  # this rank's slice digests at base_version
     part_bytes: int = PART_BYTES
     # context coding: the new bits of the runs this rank owns whole at base_version
-    # (ShardSender.context_runs; mirror.py); None: plain coding only
+    # (ShardSender.context_runs; mirror.py); None: plain coding only. context: when to try it
+    # (config.CONTEXT_MODES)
     context_runs: dict | None = None
+    context: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class _Worker:
             if mirror is not None:
                 mirror.begin(job.version, job.base)
             try:
-                ss = self.encoder.encode(taken, emit=w.add, digests=dig)[1]
+                ss = self.encoder.encode(taken, emit=w.add, digests=dig, context_now=context_gate(spec.context, w))[1]
             except BaseException:
                 if mirror is not None:
                     mirror.end(False)
