@@ -30,6 +30,7 @@ vllm = pytest.importorskip("vllm", reason="needs vLLM (make test-vllm builds .ve
 
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 
+from nemo_dcr_callback import codec  # noqa: E402
 from nemo_dcr_callback.config import CommitPolicy  # noqa: E402
 from nemo_dcr_callback.integrations.vllm_transfer import DCRTrainerInitInfo, HTTPClient, LLMClient  # noqa: E402
 from nemo_dcr_callback.protocol import commit  # noqa: E402
@@ -67,11 +68,12 @@ def oracle(tmp_path_factory):
     return states, dirs, sums, gens
 
 
-def _trainer(dirs, store_url: str, client):
+def _trainer(dirs, store_url: str, client, context: str = "auto"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(dirs[0], torch_dtype=torch.bfloat16)
-    info = DCRTrainerInitInfo(store=store_url, rank=0, receiver_id="rollout-0", commit_timeout_s=120)
+    info = DCRTrainerInitInfo(store=store_url, rank=0, receiver_id="rollout-0", commit_timeout_s=120,
+                              context=context)
     return model, WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
 
 
@@ -94,7 +96,9 @@ def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
     states, dirs, sums, gens = oracle
     store = FileStore(tmp_path / "store")
     llm = _engine(dirs[0])
-    model, trainer = _trainer(dirs, store.url, LLMClient(llm))
+    # context-coded chunks (a file store is never behind, so "auto" would code them plain): the
+    # engine decodes them from the weights it holds, read back through its loader's copies
+    model, trainer = _trainer(dirs, store.url, LLMClient(llm), context="on")
     assert "rollout-0" in commit.receivers(store)
     for v in range(1, N + 1):
         model.load_state_dict(states[v], strict=False)
@@ -104,6 +108,8 @@ def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
         assert llm.get_weight_version() == str(v)
         assert _checksums(llm) == sums[v], f"version {v}: weights differ from a fresh load"
         assert generate(llm) == gens[v], f"version {v}: generation differs from a fresh load"
+    assert sum(codec.parse_header(c).classes > 0 for k in store.list("versions") if k.endswith(".dcr")
+               for c in codec.split_chunks(store.get(k))) > 0
 
     # bad input: an error naming it, and the weights as they were
     def refused(call, match):
