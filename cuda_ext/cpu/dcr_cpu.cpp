@@ -910,6 +910,36 @@ static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, i
 
 extern "C" {
 
+// Context coding, the decoder's values: the walk emits positions in order with src, each one's
+// index into the classes' tokens (toks, class by class); a token below 255 is the value, 255
+// takes the next escape (escapes are in position order). Returns 0, or -1 if the escapes
+// do not add up.
+int64_t dcr_ctx_values(const int64_t* src, int64_t count, const uint8_t* toks, const void* esc, int64_t n_esc,
+                       int width, void* out) {
+  int64_t e = 0;
+  auto run = [&](auto* o, const auto* x) -> bool {
+    for (int64_t i = 0; i < count; ++i) {
+      const uint8_t t = toks[src[i]];
+      if (t != 255) {
+        o[i] = t;
+      } else {
+        if (e >= n_esc) return false;
+        o[i] = x[e++];
+      }
+    }
+    return true;
+  };
+  bool ok;
+  if (width == 2) {
+    ok = run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(esc));
+  } else if (width == 4) {
+    ok = run(static_cast<uint32_t*>(out), static_cast<const uint32_t*>(esc));
+  } else {
+    return -100;
+  }
+  return ok && e == n_esc ? 0 : -1;
+}
+
 // Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
 // to the range) its rank among the positions of its OLD class, the class being cls_map[old
 // exponent], read from the range's NEW bits `cur` and the classes the caller gives for the

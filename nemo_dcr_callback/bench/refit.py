@@ -214,7 +214,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
         for r in by_kind[kind]:
             print(f"{kind:>7} {100 * r['change_rate']:6.2f}% {r['delta_bytes'] / 1e6:8.2f} {r['path_ratio']:6.1f}x "
                   f"{r['codec_ratio']:6.1f}x {r['ctx_ratio']:7.1f}x {r['e2e_s']:7.2f} {r['speedup']:8.1f}x "
-                  f"{r['target_speedup']:6}x "
+                  f"{r['target_speedup'] or '-':>6}x "
                   f"{r['speedup_store_forward']:6.1f}x {100 * r['realized']:8.0f}% {100 * r['realized_ctx']:6.0f}% "
                   f"{r['overlap']:8.2f}")
     print(f"receiver's DCR-built weights bit-exact with the dense download: {got['bit_exact']}; "

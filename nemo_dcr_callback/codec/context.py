@@ -268,6 +268,13 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     if rc < 0:
         c = -rc - 1
         raise StreamError(f"class {c} declares {tok_streams[c].size} changes among {int(populations[c])} positions")
-    tok = np.concatenate(tok_streams) if total else np.empty(0, np.uint8)
-    values = join_tokens(tok[src[:total]], esc, bits_dtype)
+    tok = np.ascontiguousarray(np.concatenate(tok_streams) if total else np.zeros(1, np.uint8))
+    w = torch.empty(0, dtype=bits_dtype).element_size()
+    if esc.size % w:
+        raise StreamError("escape stream is not a whole number of values")
+    values = torch.empty(total, dtype=bits_dtype)
+    esc = np.ascontiguousarray(esc)
+    if lib.dcr_ctx_values(src.ctypes.data, total, tok.ctypes.data, esc.ctypes.data, esc.size // w, w,
+                          values.data_ptr()) != 0:
+        raise StreamError("escape count does not match the token stream")
     return torch.from_numpy(pos[:total]).to(idt), values

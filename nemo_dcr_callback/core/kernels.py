@@ -43,6 +43,7 @@ _SIGNATURES = {
                                   c_void_p, c_void_p, c_void_p, c_void_p]),
     "dcr_ctx_ranks": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p,
                               c_i64, c_void_p, c_void_p]),
+    "dcr_ctx_values": (c_i64, [c_void_p, c_i64, c_void_p, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_exp_hist": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_i64, c_i64, c_void_p]),
     "dcr_ulp_encode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_tokens": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_void_p, c_void_p, c_void_p]),

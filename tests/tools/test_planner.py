@@ -16,7 +16,8 @@ def test_predictions_against_measured_refits():
     8-receiver relay run is bound by the 2 shared cores: its prediction is the per-process
     CPU of the 1-receiver run scaled to 8 receivers, over the cores (docs/PLANNER.md)."""
     rows = planner.validate()
-    assert len(rows) == 6
+    assert sum(not r["held_out"] for r in rows) == 6
+    assert sum(r["held_out"] for r in rows) >= 1  # a configuration the calibration never read
     misses = [r["case"] for r in rows if abs(r["error"]) > 0.2]
     assert misses == [], rows
     by = {r["case"]: r for r in rows}
