@@ -122,7 +122,7 @@ class Encoder:
                 continue
             runs = mirror is not None and not pm.residual and any(mirror.get(pm.name, c) for c in pm.canon)
             ctx = runs and (context_now is None or context_now())
-            if (lib is not None and not runs and not pm.residual and d.xor.element_size() > 1 and d.new is not None
+            if (lib is not None and not ctx and not pm.residual and d.xor.element_size() > 1 and d.new is not None
                     and pm.dtype.is_floating_point and not d.positions.is_cuda):
                 got = codec.encode_xor_slice(lib, d.positions, pm.lo, d.xor, d.new, pm.dtype, pm.segment_table(),
                                              pm.canon, self.placement.numels(pm), self.span, self.level)
@@ -131,6 +131,8 @@ class Encoder:
                         if digests is not None:
                             digests[pm.canon[cid]] = digest.move(digests.get(pm.canon[cid], 0), terms)
                         deliver(pm.canon[cid], out, n)
+                    if runs:  # coded plain, but the copy follows every version
+                        self._advance(pm, d)
                     continue
             for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
                 pos = torch.from_numpy(pr.positions)
@@ -158,6 +160,14 @@ class Encoder:
                         digests[pr.name] = digest.move(digests.get(pr.name, 0), terms)
                 deliver(pr.name, out, pos.numel())
         return chunks, st
+
+    def _advance(self, pm: ParamMap, d: SparseDelta) -> None:
+        """Move the mirror's runs of pm to the new bits of a delta coded without it."""
+        for pr in Placement.project(pm, d.positions.numpy(), add=pm.lo):
+            run = self.mirror.get(pm.name, pr.name)
+            if run is not None:
+                self.mirror.advance((pm.name, pr.name), torch.from_numpy(pr.positions) - run[0],
+                                    bits(_gather(d.new, pr.parts)))
 
 
 class ShardSender:
@@ -229,8 +239,9 @@ class ShardSender:
         return taken
 
     def encode(self, taken: list[tuple[ParamMap, SparseDelta]], emit: Callable[[bytes], None] | None = None,
-               digests: dict[str, int] | None = None) -> tuple[list[bytes], StepStats]:
-        return self.encoder.encode(taken, emit, digests)
+               digests: dict[str, int] | None = None,
+               context_now: Callable[[], bool] | None = None) -> tuple[list[bytes], StepStats]:
+        return self.encoder.encode(taken, emit, digests, context_now)
 
     def step(self, version: int) -> tuple[list[bytes], StepStats]:
         """take() and encode() in one call (tests and benchmarks; the Publisher encodes in

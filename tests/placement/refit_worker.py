@@ -196,7 +196,9 @@ def main() -> int:
         dig_p = dict(dig_c)
         if mirror is not None:
             mirror.begin(step, step - 1)
-        chunks, st = sender.encode(taken, digests=dig_c)
+        # with the copy: odd steps coded plain (the copy follows them), even steps context-coded from it
+        chunks, st = sender.encode(taken, digests=dig_c,
+                                   context_now=None if mirror is None else (lambda s=step: s % 2 == 0))
         if mirror is not None:
             mirror.end(True)
             ctx_chunks += sum(codec.parse_header(c).classes > 0 for c in chunks)
