@@ -727,36 +727,41 @@ static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, 
     const __m512i e = ctx_exps64(v + i, shift, mask);
     __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);  // entries 0..127 (e & 127)
     if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
-    int64_t bp[64], bs[64];
-    int nb = 0;
+    // Which classes have a rank in this block, without a branch per class (a mispredicted
+    // one per emitting class cost more than the compares); then one 64-bit mask of the
+    // emitted positions, read in position order, each one's source the next index of its class.
+    uint64_t ms[16];
+    uint32_t hit = 0;
     for (int c = 0; c < k; ++c) {
-      const uint64_t m = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
-      const int64_t pc = __builtin_popcountll(m), lo = cnt[c];
-      int64_t r = nxt[c] - lo;
-      while (r >= 0 && r < pc) {
-        bp[nb] = base + i + __builtin_ctzll(_pdep_u64(1ULL << r, m));
-        bs[nb++] = j[c]++;
-        nxt[c] = j[c] < end[c] ? ranks[j[c]] : INT64_MAX;
-        r = nxt[c] - lo;
-      }
-      cnt[c] = lo + pc;
+      ms[c] = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
+      const int64_t r = nxt[c] - cnt[c];
+      hit |= static_cast<uint32_t>(r >= 0 && r < __builtin_popcountll(ms[c])) << c;
     }
-    if (nb) {
-      for (int a = 1; a < nb; ++a) {  // the block's few emissions, into position order
-        const int64_t p = bp[a], q = bs[a];
-        int b = a - 1;
-        while (b >= 0 && bp[b] > p) {
-          bp[b + 1] = bp[b];
-          bs[b + 1] = bs[b];
-          --b;
+    if (hit) {
+      uint64_t emit = 0;
+      int64_t js[16];
+      for (uint32_t h = hit; h; h &= h - 1) {
+        const int c = __builtin_ctz(h);
+        const uint64_t m = ms[c];
+        const int64_t pc = __builtin_popcountll(m), lo = cnt[c];
+        js[c] = j[c];
+        int64_t r = nxt[c] - lo;
+        while (r >= 0 && r < pc) {
+          emit |= _pdep_u64(1ULL << r, m);
+          ++j[c];
+          nxt[c] = j[c] < end[c] ? ranks[j[c]] : INT64_MAX;
+          r = nxt[c] - lo;
         }
-        bp[b + 1] = p;
-        bs[b + 1] = q;
       }
-      std::memcpy(pos_out + t, bp, sizeof(int64_t) * nb);
-      std::memcpy(src_out + t, bs, sizeof(int64_t) * nb);
-      t += nb;
+      alignas(64) uint8_t cb[64];
+      _mm512_store_si512(cb, cls);
+      for (uint64_t e = emit; e; e &= e - 1) {
+        const int b = __builtin_ctzll(e);
+        pos_out[t] = base + i + b;
+        src_out[t++] = js[cb[b]]++;
+      }
     }
+    for (int c = 0; c < k; ++c) cnt[c] += __builtin_popcountll(ms[c]);
   }
   for (int c = 0; c < k; ++c) {
     w.cnt[c] = cnt[c];

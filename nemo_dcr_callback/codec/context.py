@@ -51,27 +51,16 @@ def exponents(old_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
     return ((u >> shift) & ((1 << nbits) - 1)).astype(np.uint8)
 
 
-def _bin(logit: np.ndarray, present: np.ndarray, k: int) -> np.ndarray:
-    """Exponents cut into k classes of even log-odds width, numbered densely (a class with
-    no position would cost streams for nothing)."""
-    out = np.zeros(logit.size, dtype=np.uint8)
-    lo, hi = logit[present].min(), logit[present].max()
-    if hi - lo < 1e-9 or k == 1:
-        return out
-    out[present] = np.minimum(((logit[present] - lo) / (hi - lo) * k).astype(np.int64), k - 1)
-    used = np.unique(out[present])
-    remap = np.zeros(k, dtype=np.uint8)
-    remap[used] = np.arange(used.size, dtype=np.uint8)
-    out[present] = remap[out[present]]
-    return out
+# the numbers of classes tried per chunk, fewest first (the first is one class: the plain cost)
+CANDIDATES = (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES)
 
 
-def _rows_bits(h: np.ndarray) -> float:
-    """The order-0 information of each row of a matrix of histograms, summed, in bits."""
+def _rows_bits(h: np.ndarray) -> np.ndarray:
+    """The order-0 information of each row of a matrix of histograms, in bits."""
     tot = h.sum(axis=1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(h > 0, h * np.log2(np.where(h > 0, h, 1) / np.where(tot > 0, tot, 1)), 0.0)
-    return float(-t.sum())
+    return -t.sum(axis=1)
 
 
 def _bits(counts: np.ndarray) -> float:
@@ -98,24 +87,39 @@ def choose_classes_from(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray,
     present = n > 0
     if not present.any():
         return np.zeros(size, dtype=np.uint8), 0.0, 0.0
-    logit = np.log2((c + 0.5) / (n - c + 0.5))
+    logit = np.log2((c + 0.5) / (n - c + 0.5))[present]
     th = np.bincount(exp_changed.astype(np.int64) * 256 + tok, minlength=size * 256).reshape(size, 256)
     th = th[present].astype(np.float64)  # (exponents that occur) x tokens
-    best = one = None
-    for k in (1, 2, 3, 4, 6, 8, 12, MAX_CLASSES):  # every class's cost at once: this runs per chunk
-        cls = _bin(logit, present, k)
-        kk = int(cls.max()) + 1
-        nk = np.bincount(cls, weights=n, minlength=kk)
-        ck = np.bincount(cls, weights=c, minlength=kk)
-        tk = np.zeros((kk, 256))
-        tk[:, :] = np.eye(kk)[cls[present]].T @ th  # each class's token histogram
-        cost = _rows_bits(np.stack([ck, nk - ck], axis=1)) + _rows_bits(tk)
-        cost += 8 * (kk * (2 * 64 + 2 * 40) + 2 * np.count_nonzero(tk))  # tables, roughly
-        if one is None:
-            one = cost
-        if best is None or cost < best[0]:
-            best = (cost, cls)
-    return best[1], float(best[0]), float(one)
+    # Every candidate at once (this runs per chunk): each exponent's class under each number of
+    # classes (log-odds cut into even steps, then numbered densely: a class with no position
+    # would cost streams for nothing), all candidates' classes numbered one after another.
+    k = np.array(CANDIDATES)[:, None]
+    lo, hi = logit.min(), logit.max()
+    if hi - lo < 1e-9:
+        raw = np.zeros((k.size, logit.size), dtype=np.int64)
+    else:
+        raw = np.minimum(((logit - lo) / (hi - lo) * k).astype(np.int64), k - 1)
+    rows = np.arange(k.size)[:, None]
+    used = np.zeros((k.size, MAX_CLASSES), dtype=bool)
+    used[rows, raw] = True
+    dense = np.cumsum(used, axis=1) - 1
+    cls = dense[rows, raw]  # candidate x exponent -> class
+    kk = used.sum(axis=1)
+    start = np.concatenate([[0], np.cumsum(kk)[:-1]])
+    gid = (cls + start[:, None]).ravel()
+    total = int(kk.sum())
+    nk = np.bincount(gid, weights=np.tile(n[present], k.size), minlength=total)
+    ck = np.bincount(gid, weights=np.tile(c[present], k.size), minlength=total)
+    member = np.zeros((total, logit.size))
+    member[gid, np.tile(np.arange(logit.size), k.size)] = 1.0
+    tk = member @ th  # every class's token histogram
+    per_class = _rows_bits(np.stack([ck, nk - ck], axis=1)) + _rows_bits(tk) \
+        + 8 * (2 * 64 + 2 * 40 + 2 * np.count_nonzero(tk, axis=1))  # its positions, tokens, tables (roughly)
+    cost = np.add.reduceat(per_class, start)
+    best = int(np.argmin(cost))
+    out = np.zeros(size, dtype=np.uint8)
+    out[present] = cls[best]
+    return out, float(cost[best]), float(cost[0])
 
 
 def sampled_counts(cur_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
@@ -268,6 +272,8 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     if rc < 0:
         c = -rc - 1
         raise StreamError(f"class {c} declares {tok_streams[c].size} changes among {int(populations[c])} positions")
+    if rc != total:  # a rank given twice names one position twice
+        raise StreamError(f"the classes' ranks name {rc} positions for {total} changes")
     tok = np.ascontiguousarray(np.concatenate(tok_streams) if total else np.zeros(1, np.uint8))
     w = torch.empty(0, dtype=bits_dtype).element_size()
     if esc.size % w:
