@@ -276,8 +276,10 @@ class ShardSender:
     def context_runs(self) -> dict[Key, tuple[int, torch.Tensor]]:
         """The worker's context copy (mirror.py) at the current baselines: for each canonical
         tensor a slice reaches as one contiguous run, where the run starts and its bits (a
-        copy, on the host). O(shard) once, when the worker starts."""
-        out: dict[Key, tuple[int, torch.Tensor]] = {}
+        copy, on the host). O(shard) once, when the worker starts. The runs are views of one
+        buffer per element size: a worker process gets them as one shared segment, not one file
+        descriptor per run (thousands for a mixture of experts)."""
+        found: list[tuple[Key, int, torch.Tensor]] = []
         for pm in self.active:
             if pm.residual or not context.supported(codec.dtype_info(pm.dtype).name):
                 continue
@@ -286,7 +288,15 @@ class ShardSender:
                 p = pr.positions
                 if p.size and int(p[-1]) - int(p[0]) + 1 == p.size:
                     base = _host(self.baselines[pm.name]) if base is None else base
-                    out[(pm.name, pr.name)] = (int(p[0]), bits(_gather(base, pr.parts)).clone())
+                    found.append(((pm.name, pr.name), int(p[0]), bits(_gather(base, pr.parts))))
+        out: dict[Key, tuple[int, torch.Tensor]] = {}
+        for dt in {b.dtype for _, _, b in found}:
+            mine = [f for f in found if f[2].dtype == dt]
+            buf = torch.cat([b.reshape(-1) for _, _, b in mine])  # (a copy: the baselines move on)
+            off = 0
+            for key, a, b in mine:
+                out[key] = (a, buf[off:off + b.numel()])
+                off += b.numel()
         return out
 
     def coverage(self) -> dict[str, np.ndarray]:
