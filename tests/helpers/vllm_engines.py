@@ -13,7 +13,7 @@ VERSIONS = 3  # dense_versions' versions after version 0
 PROMPTS = [{"prompt_token_ids": [1, 5, 9, 33, 2, 71]}, {"prompt_token_ids": [7, 7, 100, 3]}]
 
 
-def dense_versions(tmp_path, family: str = "llama", versions: int = VERSIONS):
+def dense_versions(tmp_path, family: str = "llama", versions: int = VERSIONS, adam: float = 0.0):
     """llama: untied embeddings, GQA; qwen2: QKV biases, tied embeddings, a vocabulary vLLM
     pads (500 -> 512 rows, the padding zeroed by its loader)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -38,7 +38,7 @@ def dense_versions(tmp_path, family: str = "llama", versions: int = VERSIONS):
     states = [{k: v.clone() for k, v in model.state_dict().items() if k not in tied}]
     for v in range(versions + 1):
         if v:
-            nxt = optimizer_step(states[-1], g)
+            nxt = optimizer_step(states[-1], g, adam)
             states.append(nxt)
             model.load_state_dict(nxt, strict=not tied)
         d = tmp_path / f"v{v}"
@@ -47,13 +47,18 @@ def dense_versions(tmp_path, family: str = "llama", versions: int = VERSIONS):
     return states, dirs
 
 
-def optimizer_step(state: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch.Tensor]:
-    """An optimizer-like step: 3% of every tensor's values scaled by 1 +- 5%."""
+def optimizer_step(state: dict[str, torch.Tensor], g: torch.Generator, adam: float = 0.0) -> dict[str, torch.Tensor]:
+    """An optimizer-like step: 3% of every tensor's values scaled by 1 +- 5%; adam > 0 also
+    moves every value by that much (an Adam-like step: it carries only the smallest values past
+    half an ulp, so a value changes the more likely the smaller it is, which context coding
+    exploits; 1e-6: about 5% changed in all)."""
     nxt = {}
     for k, t in state.items():
         x = t.float()
         m = torch.rand(t.shape, generator=g) < 0.03
         x[m] *= 1 + 0.05 * torch.randn(int(m.sum()), generator=g)
+        if adam:
+            x += adam * torch.sign(torch.randn(t.shape, generator=g))
         nxt[k] = x.to(t.dtype)
     return nxt
 

@@ -58,7 +58,7 @@ def _checksums(llm) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     """Versions 0..N of a tiny Llama, and for 1..N a fresh engine's checksums and generation."""
-    states, dirs = dense_versions(tmp_path_factory.mktemp("dense"), versions=N)
+    states, dirs = dense_versions(tmp_path_factory.mktemp("dense"), versions=N, adam=1e-6)  # context coding wins
     sums, gens = [None], [None]
     for v in range(1, N + 1):
         b = _engine(dirs[v])
@@ -136,7 +136,7 @@ def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
     commit.decide(store, N + 1, rec_base, "abort", [], [], "the trainer gave up")
     refused(lambda: update(N + 1), f"version {N + 1} was not committed")
     _corrupt_version(store, N + 2, rec_base, states[N], states[N - 1])
-    refused(lambda: update(N + 2), "checksum")
+    refused(lambda: update(N + 2), "checksum|bad magic")  # (where the flipped byte lands)
     stop_engine(llm)
 
 
@@ -165,8 +165,30 @@ def _generate(base: str, prompt: list[int]) -> tuple[list[int], list[dict[int, f
     return c["token_ids"], steps
 
 
+# The API server and the offline engine (the oracle) take different GEMM paths on some CPUs (an
+# AMX Xeon): with the same weights (vLLM's checksums, checked first) top-2 logprobs differed by
+# up to 4e-5. Tokens must match exactly, logprobs within SERVE_TOL; one version moves them by far
+# more (checked), so an engine serving stale weights still fails.
+SERVE_TOL = 2e-4
+
+
+def _close(got, want) -> bool:
+    return len(got) == len(want) and all(
+        gt == wt and len(gl) == len(wl) and all(a.keys() == b.keys() and all(abs(a[k] - b[k]) <= SERVE_TOL for k in a)
+                                                for a, b in zip(gl, wl, strict=True))
+        for (gt, gl), (wt, wl) in zip(got, want, strict=True))
+
+
+def _moved(a, b) -> float:
+    """The largest logprob change between two versions' generations, over the tokens both rank."""
+    return max(abs(x[k] - y[k]) for (_, al), (_, bl) in zip(a, b, strict=True) for x, y in zip(al, bl, strict=False)
+               for k in x.keys() & y.keys())
+
+
 def test_vllm_serve_follows_over_http(tmp_path, oracle):
     states, dirs, sums, gens = oracle
+    moved = [_moved(gens[v], gens[v - 1]) for v in range(2, N + 1)]
+    assert min(moved) > 5 * SERVE_TOL, moved  # the tolerance tells versions apart
     store = FileStore(tmp_path / "store")
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -198,7 +220,8 @@ def test_vllm_serve_follows_over_http(tmp_path, oracle):
             got = _post(base, "/weight_checker", {"action": "compare", "baseline": sums[v]})
             assert got == {"match": True, "mismatches": []}, f"version {v}: {got}"
             got = [_generate(base, p["prompt_token_ids"]) for p in PROMPTS]
-            assert got == [(list(t), lp) for t, lp in gens[v]], f"version {v}: generation differs from a fresh load"
+            want = [(list(t), lp) for t, lp in gens[v]]
+            assert _close(got, want), f"version {v}: generation differs from a fresh load: {got} {want}"
         with urllib.request.urlopen(base + "/weight_info", timeout=30) as r:
             assert json.loads(r.read())["weight_version"] == str(N)
     finally:
