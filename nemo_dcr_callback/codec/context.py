@@ -25,6 +25,7 @@ from nemo_dcr_callback.codec.streams import (
     StreamError,
     decode_gaps,
     encode_gaps,
+    escape_width,
     join_tokens,
 )
 from nemo_dcr_callback.core import kernels
@@ -63,20 +64,8 @@ def _rows_bits(h: np.ndarray) -> np.ndarray:
     return -t.sum(axis=1)
 
 
-def _bits(counts: np.ndarray) -> float:
-    """Order-0 information of a histogram, in bits."""
-    c = counts[counts > 0].astype(np.float64)
-    return float(-(c * np.log2(c / c.sum())).sum()) if c.size else 0.0
-
-
-def choose_classes(exp_all: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int) -> np.ndarray:
-    """The class of each exponent value (see choose_classes_from), from every position's."""
-    n = np.bincount(exp_all, minlength=size)[:size].astype(np.float64)
-    return choose_classes_from(n, exp_changed, tok, size)[0]
-
-
-def choose_classes_from(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int
-                        ) -> tuple[np.ndarray, float, float]:
+def choose_classes(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size: int
+                   ) -> tuple[np.ndarray, float, float]:
     """(class of each exponent value, estimated bits of that coding, estimated bits with one
     class): exponents grouped by their change rate in this chunk (log-odds cut into even
     steps), n: positions per exponent (counted or estimated from a sample). The number of
@@ -275,9 +264,7 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     if rc != total:  # a rank given twice names one position twice
         raise StreamError(f"the classes' ranks name {rc} positions for {total} changes")
     tok = np.ascontiguousarray(np.concatenate(tok_streams) if total else np.zeros(1, np.uint8))
-    w = torch.empty(0, dtype=bits_dtype).element_size()
-    if esc.size % w:
-        raise StreamError("escape stream is not a whole number of values")
+    w = escape_width(esc, bits_dtype)
     values = torch.empty(total, dtype=bits_dtype)
     esc = np.ascontiguousarray(esc)
     if lib.dcr_ctx_values(src.ctypes.data, total, tok.ctypes.data, esc.ctypes.data, esc.size // w, w,

@@ -284,7 +284,7 @@ def _ctx_streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: t
     done = tokens(vals, True, nv)
     vm = _ranked_modes(done[2], (ValueMode.RAW, ValueMode.ULP), info.width, False)[0]
     tok, esc, _ = done if vm == ValueMode.ULP else tokens(vals, False, nv)
-    cls_map, est, one = context.choose_classes_from(np.maximum(n, 0), e_old, tok, size)
+    cls_map, est, one = context.choose_classes(np.maximum(n, 0), e_old, tok, size)
     if est > CTX_MIN_GAIN * one:
         return None
     k = int(cls_map.max()) + 1

@@ -169,11 +169,17 @@ def tokens(values: torch.Tensor, ulp: bool = False, new_values: torch.Tensor | N
     return tok, esc[:n_esc * w], hist.reshape(2, 256)
 
 
-def join_tokens(tok: np.ndarray, esc: np.ndarray, bits_dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of tokens() (before any ulp step); StreamError if the escapes do not match."""
+def escape_width(esc: np.ndarray, bits_dtype: torch.dtype) -> int:
+    """The width of one escaped value; StreamError if the escape stream is not whole values."""
     w = torch.empty(0, dtype=bits_dtype).element_size()
     if esc.size % w:
         raise StreamError("escape stream is not a whole number of values")
+    return w
+
+
+def join_tokens(tok: np.ndarray, esc: np.ndarray, bits_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of tokens() (before any ulp step); StreamError if the escapes do not match."""
+    w = escape_width(esc, bits_dtype)
     big = tok == 255
     if int(big.sum()) != esc.size // w:
         raise StreamError("escape count does not match the token stream")
@@ -188,9 +194,7 @@ def token_values(coded: np.ndarray, count: int, esc: np.ndarray, bits_dtype: tor
     lib = kernels.native()
     if lib is None:
         return join_tokens(ans_decode(coded, count), esc, bits_dtype)
-    w = torch.empty(0, dtype=bits_dtype).element_size()
-    if esc.size % w:
-        raise StreamError("escape stream is not a whole number of values")
+    w = escape_width(esc, bits_dtype)
     out = torch.empty(count, dtype=bits_dtype)
     rc = lib.dcr_ans_decode_values(coded.ctypes.data, coded.size, count, esc.ctypes.data, esc.size // w, w,
                                    out.data_ptr())
