@@ -684,7 +684,9 @@ static void ctx_scalar(CtxWalk& w, const T* v, int64_t lo, int64_t hi, int64_t b
 // counter chain (a load and store per element) cost about 2 ns an element.
 template <class T>
 static inline __m512i ctx_exps64(const T* v, int shift, uint32_t mask) {
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 1) {  // exponent bytes read off a device (shift 0)
+    return _mm512_and_si512(_mm512_loadu_si512(v), _mm512_set1_epi8(static_cast<char>(mask)));
+  } else if constexpr (sizeof(T) == 2) {
     const __m512i m = _mm512_set1_epi16(static_cast<int16_t>(mask));
     const __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(v), _mm_cvtsi32_si128(shift)), m);
     const __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(v + 32), _mm_cvtsi32_si128(shift)), m);
@@ -784,11 +786,12 @@ extern "C" {
 // Emitted in increasing position order, each with src: its index in the ranks (class by
 // class, rank_starts[c]..rank_starts[c + 1]), which also indexes the class's tokens.
 // Returns the number emitted, or -(c + 1) if class c's ranks are not all found (one beyond
-// its population, or not increasing). class_counts gets each population.
+// its population, or not increasing). class_counts gets each population. Width 1: the
+// segments are the exponents themselves (shift 0), as a GPU receiver copies them to the host.
 int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t nseg, int width, int shift,
                           int nbits, const uint8_t* cls_map, int k, const int64_t* ranks, const int64_t* rank_starts,
                           int64_t* pos_out, int64_t* src_out, int64_t* class_counts) {
-  if (k < 1 || k > 16 || (width != 2 && width != 4) || nbits < 1 || nbits > 8) return -100;
+  if (k < 1 || k > 16 || (width != 1 && width != 2 && width != 4) || nbits < 1 || nbits > 8) return -100;
   CtxWalk w;
   w.ranks = ranks;
   w.rs = rank_starts;
@@ -810,7 +813,9 @@ int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t 
 #endif
       ctx_scalar(w, v, done, lens[s], base, shift, mask, map256);
     };
-    if (width == 2) {
+    if (width == 1) {
+      walk(static_cast<const uint8_t*>(segs[s]));
+    } else if (width == 2) {
       walk(static_cast<const uint16_t*>(segs[s]));
     } else {
       walk(static_cast<const uint32_t*>(segs[s]));

@@ -46,10 +46,27 @@ def map_size(dtype_name: str) -> int:
 
 
 def exponents(old_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """The exponent field of every old value (sign dropped), as small integers."""
+    """The exponent field of every old value (sign dropped), as small integers (uint8 input:
+    exponent_bytes' output, already that)."""
+    if old_bits.dtype == torch.uint8:
+        return old_bits.numpy()
     shift, nbits = _EXPONENT[dtype_name]
     u = old_bits.numpy().view({2: np.uint16, 4: np.uint32}[old_bits.element_size()])
     return ((u >> shift) & ((1 << nbits) - 1)).astype(np.uint8)
+
+
+_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def exponent_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The exponent field of every value of a tensor, flat, one byte each, computed where the
+    tensor lives: what a GPU receiver copies to the host for the decoder's walk (half the
+    bytes of its BF16 bits, a quarter of FP32's), which decodes from it as from the bits."""
+    if t.dtype not in _NAMES:
+        raise ValueError(f"no exponent field to read in a {t.dtype} tensor")
+    shift, nbits = _EXPONENT[_NAMES[t.dtype]]
+    u = t.reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return torch.bitwise_and(torch.bitwise_right_shift(u, shift), (1 << nbits) - 1).to(torch.uint8)
 
 
 # the numbers of classes tried per chunk, fewest first (the first is one class: the plain cost)
@@ -253,6 +270,8 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     populations = np.zeros(k, dtype=np.int64)
     cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
     shift, nbits = _EXPONENT[dtype_name]
+    if segments[0].dtype == torch.uint8:  # exponent bytes (exponent_bytes), not bits
+        shift = 0
     ptrs = np.array([t.data_ptr() for t in segments], dtype=np.uint64)
     lens = np.array([t.numel() for t in segments], dtype=np.int64)
     rc = lib.dcr_ctx_positions(ptrs.ctypes.data, lens.ctypes.data, len(segments), segments[0].element_size(), shift,

@@ -151,6 +151,12 @@ def _decode(mv: memoryview, h: ChunkHeader, old: OldBits | None = None) -> tuple
     return pos, vals
 
 
+def _old_view(t: torch.Tensor) -> torch.Tensor:
+    """The receiver's old tensor flat: its bits, or its exponent bytes as a GPU receiver
+    reads them (context.exponent_bytes)."""
+    return t.reshape(-1) if t.dtype == torch.uint8 else bits(t).reshape(-1)
+
+
 def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
                     idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A context-coded chunk: the classes come from the old bits of its whole range."""
@@ -159,13 +165,13 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
         raise ChunkError(f"chunk for {what!r} is context-coded: decoding it needs the receiver's old bits, and "
                          "this path does not pass them")
     if h.members:
-        segments = [bits(old(m)).reshape(-1) for m in h.members]
+        segments = [_old_view(old(m)) for m in h.members]
         for m, t in zip(h.members, segments, strict=True):
             if t.numel() != m.numel:
                 raise ChunkError(f"chunk for {what!r}: member {m.name!r} spans {m.numel} positions, the receiver's "
                                  f"tensor holds {t.numel()}")
     else:
-        segments = [bits(old(h)).reshape(-1)[h.lo:h.hi]]
+        segments = [_old_view(old(h))[h.lo:h.hi]]
     held = sum(t.numel() for t in segments)
     if held != h.hi - h.lo:
         raise ChunkError(f"chunk for {what!r} spans {h.hi - h.lo} positions, the receiver's tensor(s) hold {held}")

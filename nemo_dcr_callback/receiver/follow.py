@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec import context, digest
 from nemo_dcr_callback.config import FETCH_LANES, FollowerConfig
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.keys import VERSIONS, is_part, version_of
@@ -79,6 +79,7 @@ class Follower:
         self._parts: dict[int, Parts] = {}
         self._old_lock = threading.Lock()  # the cache of old bits read through a loader, by version held
         self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+        self._device = getattr(self.target, "device", None)  # a loader's model on a GPU: old bits read there
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         # called with (version, error) at each refusal, also the ones acked and gone on from
         self.on_refuse: Callable[[int, BaseException], None] | None = None
@@ -146,11 +147,11 @@ class Follower:
         """A tensor's bits as the target holds them (the version held: a version is fetched
         only while its base is held), for context-coded chunks: a flat view where the target
         has one, else the canonical tensor read through its loader's copies (kept for the
-        version held: a tensor of several chunks is read once)."""
+        version held: a tensor of several chunks is read once). A tensor on a GPU is read as
+        its exponent bytes, computed on the device (the walk needs no more)."""
         flat = getattr(self.target, "flat", None)
         if flat is not None:
-            t = flat(h.name)
-            return t if t.is_cpu else t.cpu()
+            return _host(flat(h.name))
         canonical = getattr(self.target, "canonical", None)
         if canonical is None:
             raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver "
@@ -160,11 +161,11 @@ class Follower:
                 self._old_cache = (self.version, {})
             held = self._old_cache[1]
             if h.name not in held:
-                t = canonical(h.name)
+                t = canonical(h.name, device=self._device) if self._device is not None else canonical(h.name)
                 if t is None:
                     raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver holds only "
                                            "part of that tensor (tensor parallel): it cannot read the old bits")
-                held[h.name] = t.reshape(-1) if t.is_cpu else t.reshape(-1).cpu()
+                held[h.name] = _host(t)
             return held[h.name]
 
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
@@ -477,6 +478,12 @@ class Follower:
                 pause = backoff(pause, poll_s, self.idle_poll_s)
             # a relay's answer names what is new (usually the whole poll)
             self._token, self._news = wait_news(self.store, self._token, pause, min(1.0, left), data_only=True)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Old bits on the host, flat, for the decoder's walk: a host tensor as it is, a device
+    tensor as its exponent bytes (computed there; half of BF16's bytes cross to the host)."""
+    return t.reshape(-1) if t.is_cpu else context.exponent_bytes(t).cpu()
 
 
 class _Aborted(Exception):

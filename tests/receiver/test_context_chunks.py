@@ -230,3 +230,45 @@ def test_other_old_bits_decode_other_positions_and_the_digests_refuse_them(tmp_p
     drifted[big] = torch.tensor(1e-6, dtype=torch.bfloat16)
     wrong = applied(drifted)
     assert digest.hexd(digest.sum64(wrong)) != rec["digests"]["w"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", [True, False])
+def test_exponent_bytes_decode_as_the_bits_do(dtype, native, monkeypatch):
+    """A GPU receiver hands the decoder its old tensors' exponent bytes (computed on the device,
+    half of BF16's bytes cross to the host): the same changes come out as from the bits, with
+    the compiled walk and without it; and exponent_bytes reads exactly the exponent field (signs,
+    zeros, infinities and NaNs included)."""
+    from nemo_dcr_callback.codec import context
+    from nemo_dcr_callback.core import kernels
+
+    if not native:
+        monkeypatch.setattr(kernels, "native", lambda: None)
+    old, new = adam_like((1 << 15) + 37, 3e-4, 1)  # (not whole 64-position blocks: the scalar tail too)
+    old, new = old.to(dtype), new.to(dtype)
+    old[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    new[:4] = old[:4]
+    d = take_delta(new, old.clone(), keep_new=True)
+    chunks = codec.encode_delta("w", d, span=1 << 13, current=new)
+    assert sum(codec.parse_header(c).classes > 0 for c in chunks) > 0
+    ex = context.exponent_bytes(old)
+    for t in (old, old.float()):
+        want = context.exponents(bits(t), context._NAMES[t.dtype])
+        assert torch.equal(context.exponent_bytes(t), torch.from_numpy(want))
+    by_bits, by_exp = old.clone(), old.clone()
+    for c in chunks:
+        for dc in codec.decode_parts(c, old=lambda h: old):
+            codec.apply_decoded(dc, by_bits.view(-1))
+        for dc in codec.decode_parts(c, old=lambda h: ex):
+            codec.apply_decoded(dc, by_exp.view(-1))
+    assert torch.equal(bits(by_bits), bits(new)) and torch.equal(bits(by_exp), bits(new))
+
+
+def test_a_loader_target_on_the_host_reads_old_bits_on_the_host():
+    """LoaderTarget.device names a GPU model's device (the follower then reads exponent bytes
+    there); a host model has none, and canonical() reads to the host either way."""
+    model = _Fused()
+    model.load_weights(list(_chain(0, layout=LOADED)[0].items()))
+    t = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in LOADED.items()})
+    assert t.device is None
+    assert torch.equal(bits(t.canonical(DOWN, device=torch.device("cpu"))), bits(t.canonical(DOWN)))

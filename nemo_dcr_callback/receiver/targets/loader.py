@@ -238,6 +238,10 @@ class LoaderTarget:
         self._whole = {n for n in self._views if self._segments[n] is not None or self._covered(n)}
         self._segment_keys = {(n, off, flat.data_ptr()) for n, segs in self._segments.items() if segs
                               for off, _, flat in segs}
+        # where the model's weights live, if not on the host: the follower reads old bits for
+        # context-coded chunks there (as exponent bytes) rather than copying whole tensors back
+        devices = {p.device for p in model.parameters()} - {torch.device("cpu")}
+        self.device: torch.device | None = devices.pop() if len(devices) == 1 else None
 
     def _buffer(self, name: str) -> torch.Tensor:
         shape, dtype = self.shapes[name]
@@ -288,15 +292,16 @@ class LoaderTarget:
         """Do the loader's copies of this tensor reach every element of it?"""
         return bool(self.held(name).all())
 
-    def canonical(self, name: str) -> torch.Tensor | None:
+    def canonical(self, name: str, device: torch.device | None = None) -> torch.Tensor | None:
         """The canonical tensor as the model holds it now (a copy, read through the loader's
-        copies), or None if they do not cover it."""
-        return self._gather(name) if name in self._whole else None
+        copies; on the host unless `device` is given), or None if they do not cover it."""
+        return self._gather(name, device) if name in self._whole else None
 
-    def _gather(self, name: str) -> torch.Tensor:
+    def _gather(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """The canonical tensor's elements the model holds, read through the loader's copies
         (zero where it holds none; a tensor held whole is not cleared first)."""
-        out = (torch.empty if name in self._whole else torch.zeros)(self.numel(name), dtype=self.shapes[name][1])
+        out = (torch.empty if name in self._whole else torch.zeros)(self.numel(name), dtype=self.shapes[name][1],
+                                                                    device=device)
         with torch.no_grad():
             for v in self._views.get(name, []):
                 out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
