@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi test-vllm test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo test-mpi test-vllm demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
 
 setup: $(STAMP)
 
@@ -85,6 +85,13 @@ $(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 
 test-vllm: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
+
+# The asynchronous RL loop (recipes/rl_demo.py): a GRPO trainer on 2 ranks publishing to a vLLM
+# rollout engine, both from .venv-vllm (it has megatron-core too). The engine is killed after
+# step 12 and comes back from the keyframe and the deltas.
+demo-rl: $(VLLM_VENV)/.setup-done
+	$(VLLM_VENV)/bin/nemo-dcr demo --rl --steps 30 --kill-at 12 \
+		--json benchmarks/results/rl_loop.json
 
 # verl 0.9.1 driving the `dcr` checkpoint engine (integrations/verl.py), in its own environment.
 # verl's `cpu` extra pins torch==2.11.0 (a multi-GB CUDA build from PyPI) and its base

@@ -7,6 +7,7 @@ tolerated missing when the parser is built, so every other command works without
 from __future__ import annotations
 
 import argparse
+import sys
 from types import ModuleType
 
 from nemo_dcr_callback import __version__
@@ -58,10 +59,29 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--files", action="store_true", help="instead: diff/patch round trip on a synthetic policy")
     p.add_argument("--params", type=positive, default=1 << 24, help="with --files")
     p.add_argument("--change-rate", type=float, default=0.03, help="with --files")
+    p.add_argument("--rl", action="store_true",
+                   help="instead: the asynchronous RL loop (GRPO trainer + a vLLM rollout engine; needs vLLM)")
+    p.add_argument("--kill-at", type=int, default=0, help="with --rl: kill the rollout engine after this step "
+                   "and start it again")
+    p.add_argument("--max-staleness", type=int, default=1, help="with --rl: consume rollouts at most this many "
+                   "versions old")
+    p.add_argument("--json", default=None, help="with --rl: write the measurements here")
 
 
 def _demo(args: argparse.Namespace) -> int:
     # recipes/ is not product code: imported here, when the demo runs, never at module level
+    if args.rl:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print("nemo-dcr demo --rl needs vLLM: run it with `make demo-rl` (which builds .venv-vllm)",
+                  file=sys.stderr)
+            return 2
+        from nemo_dcr_callback.recipes import rl_demo  # start-up cost: only when the demo runs
+
+        out = rl_demo.run(args.steps, args.workdir, kill_at=args.kill_at, max_staleness=args.max_staleness,
+                          json_path=args.json)
+        return 0 if out["versions_checked"] else 1
     if args.files:
         from nemo_dcr_callback.recipes.demo import run_demo  # start-up cost: only when the demo runs
         return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
@@ -421,6 +421,17 @@ class EngineWeights:
             self._follow(int(version))
         return {"read_s": read_s, "load_s": load_s, "repack_s": repack_s}
 
+    def check_export(self, version: int) -> dict:
+        """The oracle for a version held: its dense export in the store (the trainer's gather
+        and convert, written with dcr.verify) against the weights this engine holds, read back
+        in canonical coordinates through the loader's copies (LoaderTarget.compare)."""
+        if self.follower is None or self.version != version:
+            raise RuntimeError(f"the engine holds version {self.version}, not {version}")
+        if not self.store.exists(key := commit.verify_key(version)):
+            raise FileNotFoundError(f"{self.store.url} has no dense export of version {version} ({key}): the "
+                                    "trainer writes them with dcr.verify=true")
+        return {"version": version, **self.target.compare(load(self.store.get(key)))}
+
     def repack(self, names: set[str] | None) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote (names: the
         canonical tensors changed; None: every layer), linear layers and prepacked experts."""
@@ -489,6 +500,10 @@ class DCRWorkerExtension:
         check_reload_allowed(model_dir)
         w = getattr(self, "_dcr_w", None) or self._dcr_weights()
         return w.reload_dense(model_dir, int(version))
+
+    def dcr_check_export(self, version: int | str) -> dict:
+        """EngineWeights.check_export: the held version against its dense export in the store."""
+        return self._dcr_weights().check_export(int(version))
 
     def dcr_version(self) -> int:
         w = getattr(self, "_dcr_w", None)

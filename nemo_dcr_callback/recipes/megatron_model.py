@@ -257,9 +257,6 @@ def wrap_for_training(model, lr: float = 1e-3, distributed_optimizer: bool = Fal
 def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | None:
     """One optimizer step on a batch of token ids [micro_batches, batch, seq + 1] through the
     pipeline schedule. Returns the mean loss on the last stage (None elsewhere)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     micro, batch, seq1 = tokens.shape
     seq = seq1 - 1
     data = iter([tokens[i] for i in range(micro)])
@@ -275,6 +272,15 @@ def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | No
             return loss, {"loss": loss.detach()}
 
         return out, loss_func
+
+    return run_schedule(ddp, opt, forward_step, data, micro, seq, batch)
+
+
+def run_schedule(ddp, opt, forward_step, data, micro: int, seq: int, batch: int) -> float | None:
+    """Forward and backward of `micro` micro-batches through Megatron's pipeline schedule, then
+    the optimizer step; the mean of the losses' "loss" on the last stage (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from nemo_dcr_callback.recipes.megatron_cpu import gemm_mode
 

@@ -179,6 +179,12 @@ class DCRCallback(Callback):
               f"{self._verifier.changed.get(version, 0)} changed; replay+check "
               f"{1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)
 
+    @property
+    def version(self) -> int:
+        """The version the trainer's weights are now: the last one published (0 before the
+        first; an RL loop measures its rollouts' staleness against it)."""
+        return self._offset + self.steps - self.steps % self.cfg.every_n_steps
+
     def on_train_end(self, trainer, pl_module) -> None:
         if self.publisher is not None:
             self.publisher.close()

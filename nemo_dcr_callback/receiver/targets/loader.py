@@ -307,6 +307,20 @@ class LoaderTarget:
                 out.as_strided(v.shape, v.stride, v.offset).copy_(v.dst)
         return out
 
+    def compare(self, dense: dict[str, torch.Tensor]) -> dict:
+        """The model's weights, read back in canonical coordinates, against a dense state (an
+        oracle: e.g. the trainer's export), bit for bit: the tensors checked and those that
+        differ (tensors the model holds only part of are skipped)."""
+        checked, differ = 0, []
+        for name, want in sorted(dense.items()):
+            got = self.canonical(name)
+            if got is None:
+                continue
+            checked += 1
+            if not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8)):
+                differ.append(name)
+        return {"checked": checked, "differ": differ}
+
     def held(self, name: str) -> torch.Tensor:
         """Which canonical elements the model holds (a bool per element): all of them unless
         the loader keeps a shard (tensor parallelism)."""
