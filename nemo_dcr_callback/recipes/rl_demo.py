@@ -37,7 +37,7 @@ def _worker(py: str, url: str, rollouts: Path, log: Path, check: bool, secret: s
     cmd = [py, "-m", "nemo_dcr_callback.recipes.rl_rollout", "--store", url, "--rollouts", str(rollouts),
            "--secret", secret] + (["--check"] if check else [])
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
-    # its own session: a kill takes the engine's processes with it
+    # its own session (the trainer's too): a kill takes every process it started with it
     return subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -79,7 +79,7 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, check: bo
         torchrun_cmd(2, ["-m", "nemo_dcr_callback.recipes.rl_train", f"rl.rollouts={rollouts}", f"dcr.store={url}",
                          f"trainer.max_steps={steps}", f"rl.max_staleness={max_staleness}", f"hydra.run.dir={root}",
                          *overrides]),
-        stdout=open(root / "trainer.log", "w"), stderr=subprocess.STDOUT)
+        stdout=open(root / "trainer.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     restarts, killed_at = [], None
     try:
         while trainer.poll() is None:
@@ -95,8 +95,8 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, check: bo
             time.sleep(0.2)
     finally:
         (rollouts / rl_rollout.STOP).write_text("")
-        if trainer.poll() is None:
-            trainer.kill()
+        if trainer.poll() is None:  # the ranks too: left running, they would go on writing the store
+            _kill(trainer)
         try:
             worker.wait(timeout=120)
         except subprocess.TimeoutExpired:

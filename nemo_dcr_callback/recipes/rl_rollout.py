@@ -36,7 +36,7 @@ def export_keyframe(store, out: Path, timeout: float = 600.0) -> Path:
     """The model folder the engine starts from: the store's keyframe 0 (config and weights),
     waiting for the trainer to write it."""
     deadline = time.monotonic() + timeout
-    while not store.exists(keys.keyframe_model(0)):
+    while not (store.exists(keys.keyframe_model(0)) and store.exists(keys.keyframe_config(0))):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{store.url} has no keyframe after {timeout:.0f} s: has the trainer started?")
         time.sleep(0.1)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nemo_dcr_callback.recipes.rl_rollout")
     ap.add_argument("--store", required=True)
     ap.add_argument("--rollouts", required=True, help="folder the trainer reads batches from")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per batch")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per batch")
     ap.add_argument("--group", type=int, default=8, help="episodes per prompt (the GRPO group)")
     ap.add_argument("--secret", choices=sorted(rl_task.SECRETS), default="first")
     ap.add_argument("--receiver-id", default="rollout-0")
