@@ -29,6 +29,10 @@ from nemo_dcr_callback.transport.store import open_store
 LINK_MBIT = 100.0  # the link the dense refit's time is modelled on (the planner), as bench refit's
 
 
+class TrainerFailed(RuntimeError):
+    pass
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
@@ -59,7 +63,8 @@ def _dense_refit_s(params: int, rate: float, mbit: float) -> tuple[float, float]
     return p["dense_one_copy_s"], p["total_s"]
 
 
-def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, check: bool = True, secret: str = "first",
+def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, restart: bool = True, check: bool = True,
+        secret: str = "first",
         max_staleness: int = 1, json_path: str | None = None, quiet: bool = False,
         overrides: tuple[str, ...] = ()) -> dict:
     """The loop (both sides run in this interpreter's environment: vLLM's, with megatron-core)."""
@@ -87,10 +92,12 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, check: bo
             if kill_at and killed_at is None and done >= kill_at:
                 killed_at = time.time()
                 _kill(worker)
-                say(f"  killed the rollout engine after step {done} (SIGKILL to its process group); starting it again")
-                worker = _worker(py, url, rollouts, root / "rollout.log", check, secret)
-                restarts.append({"after_step": done, "killed": killed_at})
-            if worker.poll() is not None:
+                say(f"  killed the rollout engine after step {done} (SIGKILL to its process group)"
+                    + ("; starting it again" if restart else ""))
+                if restart:
+                    worker = _worker(py, url, rollouts, root / "rollout.log", check, secret)
+                restarts.append({"after_step": done, "killed": killed_at, "restarted": restart})
+            if worker.poll() is not None and not (killed_at and not restart):
                 raise RuntimeError(f"the rollout worker exited ({worker.returncode}): see {root / 'rollout.log'}")
             time.sleep(0.2)
     finally:
@@ -103,8 +110,8 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, check: bo
             _kill(worker)
     wall = time.perf_counter() - t0
     if trainer.returncode != 0:
-        raise RuntimeError(f"the trainer failed ({trainer.returncode}): see {root / 'trainer.log'}:\n"
-                           + (root / "trainer.log").read_text()[-3000:])
+        raise TrainerFailed(f"the trainer failed ({trainer.returncode}) after {wall:.0f} s: see "
+                            f"{root / 'trainer.log'}:\n" + (root / "trainer.log").read_text()[-3000:])
     return _report(root, url, steps, max_staleness, restarts, wall, json_path, say)
 
 

@@ -43,3 +43,19 @@ def test_the_loop_with_the_engine_killed_and_restarted(tmp_path):
     held = {e["held"] for e in events if e["event"] == "update"} | {s["version"] for s in starts if s["version"]}
     assert held and held <= set(out["versions_checked"]) and applied <= set(committed)
     assert max(held) >= STEPS - 2  # the engine kept up to within a batch or two of the trainer
+
+
+@pytest.mark.parametrize("policy", ["wait", "abort", "quorum"])
+def test_the_trainer_never_waits_forever_on_an_engine_that_is_gone(tmp_path, policy):
+    """The engine killed and not started again: whatever the joint-commit policy, the trainer
+    stops within its timeouts (no fresh rollouts: rl.rollout_timeout; no ack: dcr.ack_timeout)
+    with an error that says why, instead of waiting forever."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(rl_demo.TrainerFailed) as err:
+        rl_demo.run(STEPS, str(tmp_path), kill_at=2, restart=False, check=False, quiet=True,
+                    overrides=(f"dcr.commit_policy={policy}", "dcr.ack_timeout=5", "rl.rollout_timeout=10"))
+    assert time.monotonic() - t0 < 120
+    msg = str(err.value)
+    assert "is the rollout engine gone?" in msg or "no ack from ['rollout-0']" in msg, msg[-2000:]
