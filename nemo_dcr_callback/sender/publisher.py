@@ -34,7 +34,7 @@ from nemo_dcr_callback.placement import Family, Placement, build_placement
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import reconstruct
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Report, Reset, Stop
-from nemo_dcr_callback.sender.shard import ShardSender
+from nemo_dcr_callback.sender.shard import ShardSender, context_possible
 from nemo_dcr_callback.sender.shm import Arena, ShmPool, pack
 from nemo_dcr_callback.sender.worker import DECISION_MAX_POLL_S, DECISION_POLL_S, WorkerSpec, run_worker
 from nemo_dcr_callback.transport.store import open_store
@@ -92,7 +92,8 @@ class Publisher:
                           self.placement.dtype)
         spec = WorkerSpec(light, self.store.url, self.rank, self.world, cfg.span, cfg.level, cfg.seal_timeout,
                           cfg.nice, self.policy, base_version, self.sender.digests(), cfg.part_bytes,
-                          self.sender.context_runs() if cfg.context != "off" else None, cfg.context)
+                          self.sender.context_runs() if context_possible(cfg.context, self.store) else None,
+                          cfg.context)
         if self._process:
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()

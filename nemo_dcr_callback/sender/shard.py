@@ -52,6 +52,13 @@ def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_ke
     return take_delta(cur, base, keep_new=True, scratch=scratch, out=out, threads=threads)
 
 
+def context_possible(mode: str, store) -> bool:
+    """Can context coding happen on this store at all? auto codes only while uploads queue, and a
+    store that uploads in the caller (no pool: a file store) never queues: then the worker keeps
+    no mirror (its host copy, and moving it each version, would cost for nothing)."""
+    return mode == "on" or (mode == "auto" and getattr(store, "executor", None) is not None)
+
+
 def context_gate(mode: str, writer) -> Callable[[], bool]:
     """Whether to try context coding now (config.CONTEXT_MODES), given the upload's RankWriter."""
     if mode == "auto":

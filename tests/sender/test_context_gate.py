@@ -70,3 +70,14 @@ def test_auto_context_codes_once_the_upload_falls_behind(tmp_path):
     held = {k: t.clone() for k, t in states[0].items()}
     Follower(FileStore(tmp_path), held).follow(until=1, timeout=30)
     assert same_bits(held, states[1])
+
+
+def test_no_mirror_where_auto_can_never_context_code(tmp_path):
+    """A store that uploads in the caller (a file store: no pool) never has a backlog, so auto
+    never context-codes there: the Megatron worker keeps no mirror for it (no host copy to move
+    each version); on keeps one anywhere, off nowhere; a store with a pool keeps one under auto."""
+    from nemo_dcr_callback.sender.shard import context_possible
+
+    files, pooled = FileStore(tmp_path / "f"), _SlowLink(tmp_path / "s")
+    assert [context_possible(m, files) for m in ("auto", "on", "off")] == [False, True, False]
+    assert [context_possible(m, pooled) for m in ("auto", "on", "off")] == [True, True, False]
