@@ -272,3 +272,13 @@ def test_a_loader_target_on_the_host_reads_old_bits_on_the_host():
     t = LoaderTarget(model, model.load_weights, {k: (torch.Size(s), torch.bfloat16) for k, s in LOADED.items()})
     assert t.device is None
     assert torch.equal(bits(t.canonical(DOWN, device=torch.device("cpu"))), bits(t.canonical(DOWN)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (issue 51's device run)")
+def test_a_receiver_on_a_gpu_decodes_from_exponent_bytes(published):
+    """A state dict on a GPU: the follower reads each context-coded tensor's exponent bytes on
+    the device (context.exponent_bytes), decodes on the host, applies with the CUDA scatter."""
+    store, states = published
+    held = {k: t.clone().cuda() for k, t in states[0].items()}
+    Follower(store, held).follow(until=3, timeout=60)
+    assert same_bits({k: t.cpu() for k, t in held.items()}, states[3])
