@@ -5,7 +5,8 @@ dispatches to the command chosen.
   nemo-dcr patch BASE DELTA -o OUT    rebuild NEW from BASE (all or nothing)
   nemo-dcr stats DELTA [--json]       size, change rate, information bound
   nemo-dcr bench codec [...]          codec benchmark (table + JSON)
-  nemo-dcr demo                       diff/patch round trip on a synthetic policy
+  nemo-dcr demo                       the main job: CPU training publishing to a following receiver
+  nemo-dcr demo --rl                  the asynchronous RL loop: GRPO trainer + a vLLM rollout engine
   nemo-dcr bench cuda [...]           CUDA kernels vs the CPU reference, timed vs a copy (GPU)
   nemo-dcr build-kernels [--cuda]     compile the CPU kernels (and the CUDA ones with nvcc)
   nemo-dcr doctor                     which kernel paths are active, and why
