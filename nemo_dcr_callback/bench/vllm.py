@@ -155,12 +155,30 @@ def _backend_last(worker) -> dict:
     return worker.weight_transfer_engine.last
 
 
+def _adam_like(masters: dict[str, torch.Tensor], rate: float, seed: int) -> dict[str, torch.Tensor]:
+    """An Adam-like step of fp32 masters (every value moved by lr, in place) calibrated to move
+    about `rate` of the BF16 copy: small values change far more often than large ones (what
+    context coding exploits; ulp_step's uniform positions have no such dependence)."""
+    g = torch.Generator().manual_seed(seed)
+    sample = torch.cat([m.reshape(-1)[::max(1, m.numel() >> 16)] for m in masters.values()])  # strided
+    signs = torch.sign(torch.randn(sample.shape, generator=g))
+    lo, hi = 1e-9, 1.0
+    for _ in range(40):  # the lr that moves `rate` of the sample's BF16 values (bisection on a log scale)
+        lr = (lo * hi) ** 0.5
+        moved = float(((sample + lr * signs).to(torch.bfloat16) != sample.to(torch.bfloat16)).float().mean())
+        lo, hi = (lr, hi) if moved < rate else (lo, lr)
+    for m in masters.values():
+        m += lr * torch.sign(torch.randn(m.shape, generator=g))
+    return {k: m.to(torch.bfloat16) for k, m in masters.items()}
+
+
 def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, vocab: int = 32000,
-                json_path: str | None = None, reps: int = 3) -> dict:
+                json_path: str | None = None, reps: int = 3, deltas: str = "ulp", context: str = "auto") -> dict:
     """vLLM's weight-transfer API with backend `dcr` (LLM(weight_transfer_config=...) and the
     trainer engine through vLLM's factory): per version, the bytes sent against the dense
     checkpoint's, and the engine's pause (the apply, with the CPU repack) against a dense
-    in-place load_weights of the same weights."""
+    in-place load_weights of the same weights. deltas: ulp (uniform positions, one ulp) or
+    adamw (_adam_like); context: the sender's dcr.context."""
     import vllm
     from safetensors.torch import save_file
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -180,13 +198,14 @@ def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, v
         llm = vllm.LLM(model=str(d0), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                        max_model_len=128, weight_transfer_config={"backend": "dcr"}, gpu_memory_utilization=0.1)
         store = FileStore(tmp / "store")
-        info = DCRTrainerInitInfo(store=store.url, rank=0, receiver_id="bench")
+        info = DCRTrainerInitInfo(store=store.url, rank=0, receiver_id="bench", context=context)
         trainer = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=_States(s0))
         print(f"{'change':>6} {'sent':>10} {'dense':>10} {'dense/sent':>10} {'send':>8} {'fetch+decode':>12} "
               f"{'DCR pause':>9} {'dense pause':>11} {'pause/dense':>11}", flush=True)
         state = s0
+        masters = {k: t.float() for k, t in s0.items()} if deltas == "adamw" else None
         for v, rate in enumerate([r for r in rates for _ in range(reps)], start=1):
-            state = ulp_step(state, rate, seed=v)
+            state = ulp_step(state, rate, seed=v) if masters is None else _adam_like(masters, rate, seed=v)
             t0 = time.perf_counter()
             d = trainer.send_weights(state.items())
             send_s = time.perf_counter() - t0
@@ -200,13 +219,23 @@ def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, v
             row = {"version": v, "rate": rate, "params": params, "sent_bytes": d["bytes"], "dense_bytes": dense_bytes,
                    "dense_vs_sent": dense_bytes / d["bytes"], "send_s": send_s, "publish_s": d["publish_s"],
                    "fetch_decode_s": last["fetch_decode_s"], "dcr_pause_s": last["pause_s"],
-                   "dense_pause_s": dense_pause, "pause_vs_dense": last["pause_s"] / dense_pause}
+                   "dense_pause_s": dense_pause, "pause_vs_dense": last["pause_s"] / dense_pause,
+                   "context_chunks": _context_chunks(store, v), "deltas": deltas, "context": context}
             rows.append(row)
             print(_backend_line(row), flush=True)
         llm.llm_engine.engine_core.shutdown()
     keys = ["sent_bytes", "dense_bytes", "dense_vs_sent", "send_s", "fetch_decode_s", "dcr_pause_s", "dense_pause_s",
             "pause_vs_dense"]
     return _finish(rows, rates, keys, _backend_line, reps, json_path, vllm.__version__)
+
+
+def _context_chunks(store, v: int) -> int:
+    from nemo_dcr_callback import codec
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.protocol.keys import is_part
+
+    return sum(codec.parse_header(c).classes > 0 for k in store.list(commit.vdir(v)) if is_part(k)
+               for c in codec.split_chunks(store.get(k)))
 
 
 def _backend_line(m: dict) -> str:

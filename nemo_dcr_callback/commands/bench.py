@@ -133,6 +133,9 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="store_true",
                    help="through vLLM's weight-transfer API with backend dcr: bytes sent and the engine's pause "
                         "against a dense load_weights (benchmarks/results/vllm_backend.json)")
+    p.add_argument("--deltas", choices=["ulp", "adamw"], default="ulp",
+                   help="with --backend: versions of uniform one-ulp changes, or Adam-like steps of fp32 masters")
+    p.add_argument("--context", choices=["auto", "on", "off"], default="auto", help="with --backend: dcr.context")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/vllm.json)")
 
 
@@ -141,8 +144,12 @@ def _vllm(args: argparse.Namespace) -> int:
         raise ValueError("vLLM is not installed here: run it in .venv-vllm (make test-vllm builds it)")
     from nemo_dcr_callback.bench import vllm  # start-up cost: only when this benchmark runs
 
-    run = vllm.run_backend if args.backend else vllm.run
-    run(tuple(float(x) for x in args.rates.split(",")), args.hidden, args.layers, args.vocab, args.json)
+    rates = tuple(float(x) for x in args.rates.split(","))
+    if args.backend:
+        vllm.run_backend(rates, args.hidden, args.layers, args.vocab, args.json, deltas=args.deltas,
+                         context=args.context)
+    else:
+        vllm.run(rates, args.hidden, args.layers, args.vocab, args.json)
     return 0
 
 
