@@ -220,7 +220,8 @@ def run_backend(rates=(0.01, 0.03, 0.05), hidden: int = 1024, layers: int = 8, v
                    "dense_vs_sent": dense_bytes / d["bytes"], "send_s": send_s, "publish_s": d["publish_s"],
                    "fetch_decode_s": last["fetch_decode_s"], "dcr_pause_s": last["pause_s"],
                    "dense_pause_s": dense_pause, "pause_vs_dense": last["pause_s"] / dense_pause,
-                   "context_chunks": _context_chunks(store, v), "deltas": deltas, "context": context}
+                   "context_chunks": _context_chunks(store, v), "deltas": deltas, "context": context,
+                   "change_rate": d.get("changed", 0) / params}
             rows.append(row)
             print(_backend_line(row), flush=True)
         llm.llm_engine.engine_core.shutdown()
