@@ -7,6 +7,7 @@ tolerated missing when the parser is built, so every other command works without
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from types import ModuleType
 
@@ -70,10 +71,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     # recipes/ is not product code: imported here, when the demo runs, never at module level
-    if args.rl:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
+    if args.rl:  # (both sides run in child processes: this one need not import vLLM, seconds)
+        if importlib.util.find_spec("vllm") is None:
             print("nemo-dcr demo --rl needs vLLM: run it with `make demo-rl` (which builds .venv-vllm)",
                   file=sys.stderr)
             return 2

@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_dcr_callback.protocol import commit, keys
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.recipes import rl_rollout, rl_train
+from nemo_dcr_callback.tools import planner
 from nemo_dcr_callback.transport.store import open_store
 
 LINK_MBIT = 100.0  # the link the dense refit's time is modelled on (the planner), as bench refit's
@@ -53,11 +54,9 @@ def _kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def _dense_refit_s(params: int, rate: float, mbit: float) -> tuple[float, float]:
-    """The planner's dense refit and DCR refit over one link of `mbit` (seconds)."""
-    from nemo_dcr_callback.tools import planner
-
-    co = planner.Coefficients.load()
+def _dense_refit_s(co, params: int, rate: float, mbit: float) -> tuple[float, float]:
+    """The planner's dense refit and DCR refit over one link of `mbit` (seconds), with its
+    coefficients `co`."""
     p = planner.plan(planner.PlanInput(params=params, rate=min(max(rate, 1e-4), 0.99), link_MBps=mbit / 8,
                                        transport="s3", receivers=1), co)
     return p["dense_one_copy_s"], p["total_s"]
@@ -117,6 +116,7 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, restart: 
 
 def _report(root: Path, url: str, steps: int, k: int, restarts: list[dict], wall: float, json_path: str | None,
             say) -> dict:
+    co = planner.Coefficients.load()
     store = open_store(url)
     train = _jsonl(root / "rollouts" / rl_train.STEP_LOG)
     events = _jsonl(root / "rollouts" / rl_rollout.LOG)
@@ -130,12 +130,12 @@ def _report(root: Path, url: str, steps: int, k: int, restarts: list[dict], wall
     rows = []
     for r in train:
         v = r["step"]  # the version this step published
-        rec = commit.read_record(store, v) if store.exists(keys.version_record(v)) else None
+        rec = commit.read_record(store, v)
         dec = commit.read_decision(store, v)
         ap = applied_at.get(v)
         params = rec["params"] if rec else 0
         rate = rec["changed"] / max(params, 1) if rec else 0.0
-        dense_s, dcr_model_s = _dense_refit_s(params, rate, LINK_MBIT) if rec else (float("nan"), float("nan"))
+        dense_s, dcr_model_s = _dense_refit_s(co, params, rate, LINK_MBIT) if rec else (float("nan"), float("nan"))
         rows.append({**r, "version": v, "decision": dec["decision"] if dec else None,
                      "delta_bytes": rec["bytes"] if rec else None, "dense_bytes": 2 * params,
                      "change_rate": rate,

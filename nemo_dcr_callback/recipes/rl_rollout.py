@@ -29,7 +29,6 @@ from nemo_dcr_callback.transport.store import open_store
 
 STOP = "STOP"
 LOG = "rollout.jsonl"
-CURSOR = "cursor"  # the trainer's next batch index (rl_train.RolloutQueue writes it)
 
 
 def export_keyframe(store, out: Path, timeout: float = 600.0) -> Path:
@@ -54,15 +53,9 @@ def _next_batch(folder: Path) -> int:
 def taken(folder: Path) -> int:
     """How many batches the trainer has taken (consumed or dropped): its queue's cursor."""
     try:
-        return int((folder / CURSOR).read_text())
+        return int((folder / rl_task.CURSOR).read_text())
     except (FileNotFoundError, ValueError):
         return 0
-
-
-def _write(folder: Path, i: int, record: dict) -> None:
-    tmp = folder / f".r-{i:06d}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / f"r-{i:06d}.json")  # the trainer sees whole batches only
 
 
 def generate(llm, version: int, pairs: list[tuple[int, int]], group: int, secret: str):
@@ -158,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         tg = time.perf_counter()
         episodes, tokens = generate(llm, version, rl_task.prompts(a.prompts, rng), a.group, a.secret)
         gen_s = time.perf_counter() - tg
-        _write(folder, i, {"batch": i, "version": version, "episodes": [e.to_json() for e in episodes],
-                           "gen_s": gen_s, "tokens": tokens, "time": time.time()})
+        batch = {"batch": i, "version": version, "episodes": [e.to_json() for e in episodes], "gen_s": gen_s,
+                 "tokens": tokens, "time": time.time()}
+        rl_task.write_whole(rl_task.batch_path(folder, i), json.dumps(batch))  # the trainer reads whole batches
         log.write(json.dumps({"event": "batch", "batch": i, "version": version, "gen_s": gen_s, "tokens": tokens,
                               "applied": [], "time": time.time()}) + "\n")
         log.flush()

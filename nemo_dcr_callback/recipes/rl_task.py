@@ -17,14 +17,32 @@ own tokens.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 PAD, BOS, ASK, HIGHER, LOWER, RIGHT = 0, 1, 2, 3, 4, 5
 DIGIT0 = 10  # digit d is token DIGIT0 + d
 DIGITS = list(range(DIGIT0, DIGIT0 + 10))
 SEQ = 8  # the longest episode: prompt 4, g1, the answer, g2; plus one pad
 SECRETS = {"first": lambda a, b: a, "max": max, "sum": lambda a, b: (a + b) % 10}
+
+
+# The rollout folder both sides share: batch files the worker writes in order, and the
+# trainer's cursor (its next batch index), by which the worker paces itself.
+CURSOR = "cursor"
+
+
+def batch_path(folder: str | Path, i: int) -> Path:
+    return Path(folder) / f"r-{i:06d}.json"
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Written aside, then renamed into place: the other side reads whole files only."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 @dataclass

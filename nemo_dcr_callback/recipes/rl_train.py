@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_dcr_callback.recipes import rl_task
 from nemo_dcr_callback.recipes.train import CONFIGS
 
 STEP_LOG = "trainer.jsonl"
@@ -40,20 +41,15 @@ class RolloutQueue:
         self.next = 0
         self.dropped: list[dict] = []
 
-    def _path(self, i: int) -> Path:
-        return self.dir / f"r-{i:06d}.json"
-
     def take(self, version: int) -> dict:
         """The next batch at most k versions behind `version`, waiting for the worker; older
         ones are dropped. NoRollouts after timeout_s without one (the engine is gone)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            p = self._path(self.next)
+            p = rl_task.batch_path(self.dir, self.next)
             if p.exists():
                 self.next += 1
-                tmp = self.dir / ".cursor.tmp"  # the rollout worker paces itself by it
-                tmp.write_text(str(self.next))
-                os.replace(tmp, self.dir / "cursor")
+                rl_task.write_whole(self.dir / rl_task.CURSOR, str(self.next))
                 b = json.loads(p.read_text())
                 stale = version - b["version"]
                 if stale <= self.k:
@@ -128,8 +124,6 @@ def _module_class():
 
         def training_step(self, batch, batch_idx):
             import torch.distributed as dist
-
-            from nemo_dcr_callback.recipes import rl_task
 
             t0 = time.perf_counter()
             version = self._policy_version()

@@ -50,7 +50,7 @@ def test_advantages_and_the_batch_the_trainer_takes():
 
 
 def _put(folder, i: int, version: int) -> None:
-    (folder / f"r-{i:06d}.json").write_text(json.dumps({"batch": i, "version": version, "episodes": []}))
+    rl_task.batch_path(folder, i).write_text(json.dumps({"batch": i, "version": version, "episodes": []}))
 
 
 def test_the_queue_drops_stale_batches_and_never_waits_forever(tmp_path, capsys):
