@@ -61,7 +61,7 @@ def taken(folder: Path) -> int:
 def generate(llm, version: int, pairs: list[tuple[int, int]], group: int, secret: str):
     """One batch: `group` episodes of each prompt, two turns, the environment between them.
     (No per-request seed: vLLM gives every request with one seed the same draws, so every
-    prompt's group would guess alike; the engine's own seed makes the run repeatable.)"""
+    prompt's group would guess alike; the engine's own seed still seeds its sampling.)"""
     import vllm
 
     sp = vllm.SamplingParams(n=group, max_tokens=1, temperature=1.0, allowed_token_ids=rl_task.DIGITS)
