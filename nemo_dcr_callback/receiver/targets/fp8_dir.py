@@ -150,8 +150,22 @@ class Fp8DirTarget(CheckpointDirTarget):
     # ------------------------------------------------------------ applying
     def _records(self, decoded: list[codec.DecodedChunk]) -> list:
         records = super()._records(decoded)
-        return records + [r for name, pos, new in records if name in self.quantized
-                          for r in self._requantized(name, pos, new)]
+        # One requantization per weight, from all of its chunks at once: a weight comes in
+        # several chunks (one per tensor-parallel rank, or per chunk span), and a block's
+        # scale depends on every value in it. Requantized chunk by chunk, each saw the other
+        # chunks' values as they were, and the last written won (the soak found it: seed 1).
+        changes: dict[str, list] = {}
+        for name, pos, new in records:
+            if name in self.quantized:
+                changes.setdefault(name, []).append((pos, new))
+        out = list(records)
+        for name, parts in changes.items():
+            pos, new = torch.cat([p for p, _ in parts]), torch.cat([v for _, v in parts])
+            if len(parts) > 1:
+                order = torch.argsort(pos)
+                pos, new = pos[order], new[order]
+            out += self._requantized(name, pos, new)
+        return out
 
     def _requantized(self, name: str, pos: torch.Tensor, new: torch.Tensor) -> list:
         """The FP8 bytes, scales and block maxima that change when the shadow's bits at pos

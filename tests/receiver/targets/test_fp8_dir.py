@@ -98,6 +98,33 @@ def test_fp8_dir_follows_versions_bit_exact_with_the_dense_cast(tmp_path, monkey
     t.close()
 
 
+@pytest.mark.parametrize("path", ["auto", "blocks"])
+def test_a_weight_in_several_chunks_is_requantized_from_all_of_them(tmp_path, monkeypatch, path):
+    """A weight arrives in several chunks (one per tensor-parallel rank, or per chunk span): the
+    blocks they share are requantized from every chunk's changes together. Found by the chaos
+    soak (seed 1, TP 2): requantized chunk by chunk, the FP8 bytes and scales of the shared
+    blocks differed from the dense cast from version 1 on."""
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.receiver.targets import fp8_dir
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+
+    if path == "blocks":
+        monkeypatch.setattr(fp8_dir, "DENSE_FROM", 1)
+    store = FileStore(tmp_path / "store")
+    states = _states(3, 0.03)
+    d = _fp8_dir(tmp_path, states[0])
+    t = Fp8DirTarget(d)
+    for v in range(1, 4):
+        s = TensorSender(states[v - 1], 0, 1, span=10_000)  # down_proj (96,000 values): 10 chunks
+        for n in s.tensors:
+            s.tensors[n] = states[v][n]
+        s.write(store, v, v - 1, s.take())
+        commit.run_commit(store, commit.seal_version(store, v, v - 1, 1, timeout=5), commit.CommitPolicy())
+        Follower(store, t, version=t.version).apply_version(v)
+        assert t.version == v and _holds(d, states[v], "vllm") == []
+    t.close()
+
+
 def test_a_damaged_version_leaves_the_fp8_files_untouched(tmp_path):
     from nemo_dcr_callback import codec
     from nemo_dcr_callback.protocol import commit
