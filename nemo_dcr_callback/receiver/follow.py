@@ -387,7 +387,13 @@ class Follower:
             if nxt in self._parts and nxt not in self.refused:
                 listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
                 self._listed = (nxt, listing)
-                if commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
+                if not listing:
+                    # its folder is gone: aborted and collected before this receiver saw the
+                    # decision (it was stopped or cut off meanwhile); waiting on it was for ever
+                    self._drop(nxt)
+                    self._listed = None
+                    listings.pop(nxt)
+                elif commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
                     self.prefetch(nxt, listing)
                     self._apply_early(nxt)
                     return out

@@ -277,3 +277,25 @@ def test_an_idle_follower_of_a_polled_store_backs_off_and_still_sees_the_next_ve
     th.join(10)
     assert not th.is_alive() and f.version == 1
     assert all(torch.equal(bits(tensors[k]), bits(states[1][k])) for k in tensors)
+
+
+def test_a_streamed_version_collected_before_its_decision_is_dropped(tmp_path):
+    """A receiver streams version 1 while it is written; before it sees the decision (it was
+    stopped, or cut off), version 1 is aborted and gc collects its folder, and version 2 is
+    published on version 0. Found by the chaos soak (seed 1): the receiver waited for version
+    1's record or decision for ever. It drops the vanished version and applies 2."""
+    store = FileStore(tmp_path / "store")
+    states = [versions.model()]
+    g = torch.Generator().manual_seed(5)
+    states += [{k: perturb(t, 0.05, g) for k, t in states[0].items()} for _ in range(2)]
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors)
+    s = TensorSender(states[0], 0, 1)
+    for n in s.tensors:
+        s.tensors[n] = states[1][n]
+    s.write(store, 1, 0, s.take())  # parts and manifest: no record, no decision yet
+    assert f.poll() == [] and 1 in f._parts  # streaming version 1
+    store.delete_prefix(commit.vdir(1))  # aborted and collected meanwhile
+    versions.publish(store, 2, 0, states[0], states[2])
+    assert [a.version for a in f.poll()] == [2]
+    assert all(torch.equal(bits(tensors[k]), bits(states[2][k])) for k in tensors)

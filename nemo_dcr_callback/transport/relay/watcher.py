@@ -58,11 +58,27 @@ class Watcher:
         try:
             listed = await r.listing("children", keys.VERSIONS, fresh=True)
             versions = [v for v in listed if keys.version_of(v) is not None]
-            for v in versions[-FOLLOWED_VERSIONS:]:
+            self._forget_collected({keys.vdir(v) for v in versions})
+            # An older version followed before stays followed until its decision is here: one
+            # that fell out of the newest few undecided (its commit waited on acks while the
+            # trainer went on) was served as last listed, without its decision, for ever.
+            older = [v for v in versions[:-FOLLOWED_VERSIONS]
+                     if keys.vdir(v) in r.watched_dirs and keys.vdir(v) not in r.done_versions]
+            for v in older + versions[-FOLLOWED_VERSIONS:]:
                 await self._list_version(v)
             r.watch_alive = time.monotonic()
         except (OSError, KeyError):
             pass  # the parent chain re-attaches; try again next round
+
+    def _forget_collected(self, present: set[str]) -> None:
+        """Version folders the parent no longer lists (gc collected them) are no longer kept
+        current here: a listing of one goes up to the parent (and finds it gone), and what
+        was kept about it does not grow with every version of a long run."""
+        r = self.relay
+        for vd in (r.watched_dirs | r.done_versions) - present:
+            r.watched_dirs.discard(vd)
+            r.done_versions.discard(vd)
+            r.lists.pop(("list", vd), None)
 
     async def _list_version(self, v: str) -> None:
         """Follow one version (its folder name, as listed) until its decision is held here."""
