@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ from safetensors.torch import load
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, keys
-from nemo_dcr_callback.protocol.rebuild import load_keyframe
+from nemo_dcr_callback.protocol.rebuild import latest_keyframe, load_keyframe
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
 from nemo_dcr_callback.receiver.targets import CheckpointDirTarget, LoaderTarget
 from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
@@ -22,24 +23,36 @@ from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 
 def load_model(store, hf_model: str | None, timeout: float):
-    """The receiver's model: a Hugging Face directory, or the store's keyframe of version 0
-    (waited for, then loaded through transformers' own loader)."""
+    """The receiver's model and the version it holds: a Hugging Face directory (version 0), or
+    the store's newest keyframe of a committed version (waited for, then loaded through
+    transformers' own loader). The newest, not 0: gc deletes older keyframes, and a receiver
+    restarted late would otherwise replay every version since 0, if they were still there."""
     # start-up cost: transformers takes ~0.8 s to import; --model-dir and --fp8-dir never load it
     from transformers import AutoModelForCausalLM
 
-    if hf_model is None:
-        deadline = time.monotonic() + timeout
-        while not (store.exists(keys.keyframe_config(0)) and store.exists(keys.keyframe_model(0))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
-            time.sleep(0.1)
-        _, blob = load_keyframe(store, 0)  # (checked before transformers sees it)
-        tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
-        (tmp / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(0)))
+    if hf_model is not None:
+        return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16), 0
+    deadline = time.monotonic() + timeout
+    while True:
+        k = latest_keyframe(store)
+        try:
+            if k is not None and store.exists(keys.keyframe_config(k)):
+                _, blob = load_keyframe(store, k)  # (checked before transformers sees it)
+                config = store.get(keys.keyframe_config(k))
+                break
+        except KeyError:  # gc deleted it under us: a newer one is there
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
+        time.sleep(0.1)
+    tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
+    try:
+        (tmp / keys.CONFIG_FILE).write_bytes(config)
         (tmp / keys.MODEL_FILE).write_bytes(blob)
         del blob
-        hf_model = str(tmp)
-    return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.bfloat16), k
+    finally:  # (the weights are in memory now; a receiver restarted often filled /tmp with copies)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: float = 120.0) -> str | None:
@@ -84,19 +97,19 @@ def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None,
                 fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
     cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
     store = open_store(url)
-    model = load_model(store, hf_model, timeout)
+    model, held = load_model(store, hf_model, timeout)
     tensors = model.state_dict()
     if apply == "loader":  # through the model's own loading code (load_state_dict), see targets/loader.py
         shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}
         target = LoaderTarget(model, lambda items: model.load_state_dict(dict(items), strict=False), shapes)
-        f = Follower(store, target, version=0, config=cfg)
+        f = Follower(store, target, version=held, config=cfg)
     else:
-        f = Follower(store, tensors, version=0, config=cfg)
+        f = Follower(store, tensors, version=held, config=cfg)
     freeze_long_lived()
     tied = model.config.tie_word_embeddings
     n_params = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight" or not tied)
-    _emit(json_lines, f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version 0",
-          event="ready", model=type(model).__name__, params=n_params, version=0)
+    _emit(json_lines, f"receiver: {n_params / 1e6:.1f}M-param {type(model).__name__}, holding version {held}",
+          event="ready", model=type(model).__name__, params=n_params, version=held)
 
     def on_apply(a: Applied) -> None:
         line = (f"receiver: version {a.version} (base {a.base}): {a.changed} changed, {a.chunks} chunks, "
