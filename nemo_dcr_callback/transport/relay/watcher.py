@@ -75,10 +75,15 @@ class Watcher:
         current here: a listing of one goes up to the parent (and finds it gone), and what
         was kept about it does not grow with every version of a long run."""
         r = self.relay
-        for vd in (r.watched_dirs | r.done_versions) - present:
+        gone = (r.watched_dirs | r.done_versions) - present
+        for vd in gone:
             r.watched_dirs.discard(vd)
             r.done_versions.discard(vd)
             r.lists.pop(("list", vd), None)
+        if gone:  # and their objects (and dense exports) leave the cache: nobody can ask for them now
+            dirs = tuple(f"{d}/" for vd in gone for d in (vd, keys.verify_dir(vd.rsplit("/", 1)[1])))
+            for k in [k for k in [*r.cache.mem, *r.cache.spilled] if k.startswith(dirs)]:
+                r.cache.drop(k)
 
     async def _list_version(self, v: str) -> None:
         """Follow one version (its folder name, as listed) until its decision is held here."""

@@ -366,3 +366,51 @@ def test_a_chain_fallen_back_to_the_origin_is_polled_with_back_off(tmp_path):
     publish_version(origin.store, 1, states[0], states[1])
     th.join(20)
     assert not th.is_alive() and f.version == 1 and same_bits(recv, states[1])
+
+
+def test_an_undecided_version_stays_followed_and_a_collected_one_is_forgotten(tmp_path):
+    """Found by the chaos soak (seed 1). Version 1's commit waits (acks missing) while versions
+    2-5 are published: it falls out of the newest few the watcher lists, and its listing here
+    used to stay as it was, without the decision, for ever (its receivers never saw it). It
+    stays followed until its decision is here. Then gc collects it at the origin: the relay
+    forgets it, its listing and its cached objects."""
+    import asyncio
+
+    from nemo_dcr_callback.transport.relay import Relay, RelayConfig
+
+    origin = FileStore(tmp_path / "origin")
+    states = relay_states(5, n=2, shape=(64, 33))
+    write_ranks(origin, 1, states[0], states[1])
+    rec = commit.seal_version(origin, 1, 0, 2, timeout=5)  # sealed, not decided
+    vd1 = commit.vdir(1)
+
+    async def until(cond, timeout=10.0):
+        t0 = time.monotonic()
+        while not cond() and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.01)
+        return cond()
+
+    async def main():
+        relay = Relay(origin, RelayConfig(token=TOKEN, poll_s=0.005))
+        await relay.start()
+        try:
+            assert await until(lambda: commit.version_record(1) in relay.cache)
+            for v in range(2, 6):  # the trainer goes on; 1 is still undecided
+                publish_version(origin, v, states[v - 1], states[v])
+            assert await until(lambda: commit.decision_key(5) in relay.cache)
+            commit.run_commit(origin, rec, commit.CommitPolicy())  # 1 decided at last
+            decided = await until(lambda: commit.decision_key(1) in relay.cache
+                                  and commit.decision_key(1) in await_listing(relay, vd1))
+            origin.delete_prefix(vd1)  # collected
+            forgotten = await until(lambda: vd1 not in relay.watched_dirs and not any(
+                k.startswith(vd1 + "/") for k in [*relay.cache.mem, *relay.cache.spilled]))
+            return decided, forgotten, await relay.listing("list", vd1)
+        finally:
+            await relay.stop()
+
+    def await_listing(relay, vd):
+        hit = relay.lists.get(("list", vd))
+        return hit[1] if hit else []
+
+    decided, forgotten, listed = asyncio.run(main())
+    assert decided and forgotten and listed == []
