@@ -140,6 +140,9 @@ class DCRConfig:
     ack_timeout: float = CommitPolicy.timeout  # seconds the committer waits for receivers' acks
     quorum: float = CommitPolicy.quorum  # quorum policy: fraction of registered receivers that must ack
     keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
+    # the dense export of every Nth version under verify/ (receivers' --verify, audits), without
+    # verify's replay and without waiting for the commit: a version may still be aborted
+    export_every: int = 0
     part_bytes: int = PublisherConfig.part_bytes  # chunks are uploaded in parts of about this size
     baseline: str = PublisherConfig.baseline  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
@@ -150,6 +153,8 @@ class DCRConfig:
             raise ValueError("every_n_steps must be >= 1")
         if self.keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
+        if self.export_every < 0:
+            raise ValueError("export_every must be >= 0")
         check_baseline_option(self.baseline)
         self.publisher_config()
 

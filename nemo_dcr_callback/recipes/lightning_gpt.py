@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import time
+from pathlib import Path
 
 import lightning.pytorch as L
 import torch
@@ -65,8 +67,11 @@ class MegatronGPTModule(L.LightningModule):
                  pipeline_model_parallel_size: int = 1, lr: float = 1e-4, micro_batches: int = 2,
                  micro_batch_size: int = 2, distributed_optimizer: bool = False, seed: int = 1234,
                  expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
-                 family: str = "llama"):
+                 family: str = "llama", checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 min_step_s: float = 0.0):
         super().__init__()
+        self.min_step_s = min_step_s
+        self.checkpoints = StepCheckpoints(checkpoint_dir, checkpoint_every) if checkpoint_dir else None
         self.cfg = model
         self.tp, self.pp = tensor_model_parallel_size, pipeline_model_parallel_size
         self.ep, self.etp, self.family = expert_model_parallel_size, expert_tensor_parallel_size, family
@@ -81,6 +86,8 @@ class MegatronGPTModule(L.LightningModule):
             return
         init_distributed(self.tp, self.pp, self.ep, self.etp)
         self.megatron = build_model(self.cfg, seed=self.seed)
+        if self.checkpoints is not None:  # before the optimizer copies the weights into its fp32 masters
+            self.checkpoints.restore(self.megatron)
         self._ddp, self._opt = wrap_for_training(self.megatron, lr=self.lr,
                                                  distributed_optimizer=self.distributed_optimizer)
 
@@ -104,6 +111,9 @@ class MegatronGPTModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         # Wall time from one step's start to the next's: the step plus every callback's work.
         now = time.perf_counter()
+        if self.min_step_s and getattr(self, "_t_last", None) is not None:  # paced like a slower model's steps
+            time.sleep(max(0.0, self.min_step_s - (now - self._t_last)))
+            now = time.perf_counter()
         if getattr(self, "_t_last", None) is not None:
             self.log("step_ms", 1e3 * (now - self._t_last), on_step=True, batch_size=1)
         self._t_last = now
@@ -118,3 +128,52 @@ class MegatronGPTModule(L.LightningModule):
         if loss is not None:
             self.log("loss", loss, on_step=True, prog_bar=False, batch_size=1)
         return None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.step(self.megatron)
+
+
+class StepCheckpoints:
+    """A training checkpoint every N steps: each rank's weights (its shards, BF16) and the step,
+    in dir/step-NNNNNNNN/rank-R.pt; rank 0 marks a step complete once every rank wrote, and keeps
+    the last two. A restarted job loads the newest complete one; the DCR callback then resumes
+    from the store (rebased on its last committed version). The optimizer's moments are not
+    kept: the weights and the step are what a restart must continue from here."""
+
+    def __init__(self, path: str, every: int):
+        self.dir, self.every, self.at = Path(path), every, 0
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def complete(self) -> list[Path]:
+        return sorted(p for p in self.dir.glob("step-*") if (p / "done").exists())
+
+    def restore(self, model) -> None:
+        done = self.complete()
+        if not done:
+            return
+        state = torch.load(done[-1] / f"rank-{self._rank()}.pt", weights_only=True)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(state["params"][n])
+        self.at = int(state["step"])
+        if self._rank() == 0:
+            print(f"trainer: resumed from the checkpoint of step {self.at} ({done[-1]})", flush=True)
+
+    def step(self, model) -> None:
+        self.at += 1
+        if not self.every or self.at % self.every:
+            return
+        d = self.dir / f"step-{self.at:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".rank-{self._rank()}.pt.tmp"
+        torch.save({"step": self.at, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, tmp)
+        os.replace(tmp, d / f"rank-{self._rank()}.pt")  # a rank killed mid-write leaves no torn file
+        if dist.is_initialized():
+            dist.barrier()
+        if self._rank() == 0:
+            (d / "done").touch()
+            for old in self.complete()[:-2]:
+                shutil.rmtree(old, ignore_errors=True)

@@ -57,7 +57,9 @@ def run(cfg: DictConfig, run_dir: str) -> None:
         distributed_optimizer=cfg.parallel.distributed_optimizer, lr=cfg.optimizer.lr,
         expert_model_parallel_size=cfg.parallel.get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=cfg.parallel.get("expert_tensor_parallel_size"), family=cfg.dcr.family,
-        micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed)
+        micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed,
+        checkpoint_dir=cfg.trainer.get("checkpoint_dir"), checkpoint_every=cfg.trainer.get("checkpoint_every", 0),
+        min_step_s=cfg.trainer.get("min_step_s", 0.0))
     callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
     device = torch.device("cuda", le.local_rank) if torch.cuda.is_available() else "cpu"
     trainer_cls = L.Trainer

@@ -125,8 +125,14 @@ class DCRCallback(Callback):
             return
         if self._alternate and (batch_idx // self._alternate) % 2:
             return  # bench overhead --alternate: an "off" block
-        t0 = time.perf_counter()
         version = self._offset + self.steps
+        n = self.steps // self.cfg.every_n_steps
+        exp, exported = None, False  # (the dense export is rank 0's: None on the other ranks)
+        if not self.cfg.verify and self.cfg.export_every and n % self.cfg.export_every == 0:
+            # before the publish: once a receiver can apply the version, its export is there
+            # (or never will be: a store error here stops the step, and nothing is published)
+            exp, exported = self._write_dense(version, pl_module, None, keyframe=False, export=True), True
+        t0 = time.perf_counter()
         st = self.publisher.publish(version)
         if self.publisher.rank == 0:  # rank 0's figures (every rank's are in the store's stats/ at the end):
             # logging on every rank cost each rank about 1 ms a step, a sixth of the callback's own time
@@ -144,26 +150,34 @@ class DCRCallback(Callback):
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step)
         if self.cfg.verify:
-            self._verify(version)
-        elif self.cfg.keyframe_every and self.steps % (self.cfg.keyframe_every * self.cfg.every_n_steps) == 0:
-            self._keyframe(version, pl_module)
+            exp, exported = self._verify(version), True
+        if self.cfg.keyframe_every and n % self.cfg.keyframe_every == 0:
+            self._write_dense(version, pl_module, exp, keyframe=True, export=False, exported=exported)
 
-    def _keyframe(self, version: int, pl_module) -> None:
-        """A full canonical checkpoint of `version` (a collective: every rank takes part in the
-        dense export; rank 0 writes it). Receivers use it once the version is committed."""
-        exp = dense_export(self._model_ref, self._family, self._vocab_n)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+    def _write_dense(self, version: int, pl_module, exp: dict | None, keyframe: bool, export: bool,
+                     exported: bool = False) -> dict | None:
+        """A full canonical checkpoint of `version` (keyframe: receivers start from it once the
+        version is committed) and/or its dense export for --verify. The export is a collective
+        (every rank takes part); rank 0 writes."""
+        if not exported:
+            exp = dense_export(self._model_ref, self._family, self._vocab_n)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return exp
+        if export:
+            self.publisher.store.put(commit.verify_key(version), save(exp))
+        if keyframe:
             hf = getattr(pl_module, "dcr_hf_config", None)
             commit.write_keyframe(self.publisher.store, version, exp, hf().to_json_string() if hf is not None else None)
+        return exp
 
-    def _verify(self, version: int) -> None:
+    def _verify(self, version: int) -> dict:
         """The store's committed chain, replayed on rank 0 (protocol.rebuild.Replica: parts
         checked against manifests, chunks decoded, digests checked), against the dense export
         (a collective). Independent of the receivers' own code, so it checks what they read."""
         self.publisher.flush()
         exp = dense_export(self._model_ref, self._family, self._vocab_n)
         if self._verifier is None:
-            return
+            return exp
         # For receivers elsewhere (nemo-dcr receive --verify) to compare with, too.
         self.publisher.store.put(commit.verify_key(version), save(exp))
         t0 = time.perf_counter()
@@ -178,6 +192,7 @@ class DCRCallback(Callback):
         print(f"dcr: version {version}: the store's chain is bit-exact with the dense export ({len(exp)} tensors, "
               f"{self._verifier.changed.get(version, 0)} changed; replay+check "
               f"{1e3 * (time.perf_counter() - t0):.0f} ms)", flush=True)
+        return exp
 
     @property
     def version(self) -> int:
