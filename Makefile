@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi test-vllm demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke
+.PHONY: security setup test test-all test-nemo test-mpi test-vllm demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
 
 setup: $(STAMP)
 
@@ -117,6 +117,13 @@ test-verl: $(VERL_VENV)/.setup-done
 
 placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied, padding)
 	$(BIN)/python -m pytest -q tests/placement
+
+# The chaos soak (docs/FAULTS.md): the whole fleet under seeded overlapping faults; SEED=N
+# replays a schedule. make test runs a short one (tests/soak/test_soak.py).
+SEED ?= 1
+soak: setup
+	$(BIN)/python -m tests.soak.run --seed $(SEED) --versions 500 --faults 100 --mean-gap-s 6 \
+		--time-limit-s 3600 --json benchmarks/results/soak.json
 
 faults: setup  # the whole fault-injection suite (make test runs its fast part); table -> docs/FAULTS.md
 	NEMO_DCR_FAULT_TABLE=benchmarks/results/faults.json $(BIN)/python -m pytest -q tests/faults
