@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import signal
 import socket
 import sys
 import zlib
@@ -192,3 +193,37 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid (Linux's /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for d in entries:
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal pid's process group and every process below pid. torchrun starts each rank in a
+    session of its own: a signal to the launcher's group never reaches the ranks, and ranks
+    whose launcher was killed train on (publishing into the store a restarted job then uses).
+    The tree is read before anything is signalled: an orphan is reparented, and lost."""
+    below = descendants(pid)
+    for target, group in [(pid, True), *((p, False) for p in below)]:
+        try:
+            (os.killpg if group else os.kill)(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -95,3 +95,32 @@ def test_the_training_entry_point_stops_on_a_bad_launcher_environment(tmp_path):
                        text=True, env=env, timeout=120)
     assert p.returncode == 1 and "OMPI_COMM_WORLD_RANK=4 is not a rank of a world of 4" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_kill_tree_reaches_children_in_sessions_of_their_own():
+    """torchrun starts each rank with a session of its own: killing the launcher's process
+    group left the ranks training (the chaos soak saw them write a second trainer's versions).
+    kill_tree signals the tree, read before anything dies."""
+    import subprocess
+    import time
+
+    from nemo_dcr_callback.launcher import descendants, kill_tree
+
+    p = subprocess.Popen(["bash", "-c", "setsid sleep 300 & setsid sleep 300 & wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(below := descendants(p.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(below) == 2
+    kill_tree(p.pid)
+    p.wait(10)
+
+    def running(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(running(x) for x in below) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(x) for x in below)

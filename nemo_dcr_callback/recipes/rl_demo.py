@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from nemo_dcr_callback.launcher import kill_tree
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.recipes import rl_rollout, rl_train
 from nemo_dcr_callback.tools import planner
@@ -47,10 +47,7 @@ def _worker(py: str, url: str, rollouts: Path, log: Path, check: bool, secret: s
 
 
 def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kill_tree(p.pid)  # its group and its tree: torchrun's ranks each run in a session of their own
     p.wait()
 
 
