@@ -390,8 +390,13 @@ def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
     held = [r["version"] for r in receivers(store, live_s).values()]
     floor = min([newest_kf, *held])
     newest_decided = max((v for v in vs if decisions[v]), default=-1)
+    # A keyframe counts only while its version's decision says commit (rebuild.committed_keyframes),
+    # so a kept keyframe's version folder stays with it. Collected at floor, it left the store
+    # with no usable keyframe: a restarted trainer could not resume, a new receiver not start
+    # (the soak found it), and the keyframes no longer counted piled up.
     doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
-                       or (decisions[v] is None and v < newest_decided) or (v in committed and v <= floor)]
+                       or (decisions[v] is None and v < newest_decided)
+                       or (v in committed and v <= floor and not (v in kfs and v >= newest_kf))]
     prefixes = [vdir(v) for v in doomed_versions] + [keys.verify_dir(v) for v in doomed_versions]
     prefixes += [keyframe_dir(kf) for kf in kfs if kf < newest_kf]
     if dry_run:

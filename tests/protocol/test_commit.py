@@ -158,3 +158,30 @@ def test_a_version_left_before_its_seal_is_aborted_with_a_readable_decision(tmp_
     assert d["decision"] == "abort" and d["base"] == 1 and d["reason"] == "the senders restarted"
     assert commit.resume_point(store) == (1, 2, [])
     assert len(states) == 2  # (versions 0 and 1)
+
+
+def test_gc_keeps_the_newest_keyframe_usable(tmp_path):
+    """gc collects committed versions up to the newest keyframe, but the keyframe's own version
+    keeps its folder: a keyframe counts only while its version's decision says commit. Found by
+    the chaos soak: collected, it left no usable keyframe, and the restarted trainer failed with
+    'no keyframe at or before version 67 to rebuild it from'."""
+    import torch
+
+    from nemo_dcr_callback.protocol.rebuild import latest_keyframe, reconstruct
+    from tests.helpers.tensors import perturb, same_bits
+
+    store = FileStore(tmp_path / "store")
+    states = [versions.model()]
+    commit.write_keyframe(store, 0, states[0])
+    g = torch.Generator().manual_seed(3)
+    for v in range(1, 6):
+        states.append({k: perturb(t, 0.05, g) for k, t in states[-1].items()})
+        versions.publish(store, v, v - 1, states[-2], states[-1])
+        if v == 3:
+            commit.write_keyframe(store, 3, states[3])
+    commit.register(store, "rx", 5)
+    commit.gc(store)
+    commit.gc(store)  # (a second round changes nothing)
+    assert commit.list_versions(store) == [3, 4, 5] and commit.keyframes(store) == [3]
+    assert latest_keyframe(store) == 3
+    assert same_bits(reconstruct(store, 5), states[5])  # what a restarted trainer rebuilds
