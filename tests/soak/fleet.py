@@ -1,6 +1,6 @@
 """The soak's processes and the network between them: every long-lived part is a real process
-in its own session (a signal reaches its whole group: torchrun and its ranks, weed), kept
-running by a supervisor the way Slurm or Kubernetes would restart it, and sampled for RSS.
+in its own session, signalled as a process tree (torchrun's ranks run in sessions of their
+own), kept running by a supervisor the way Slurm or Kubernetes would restart it, and sampled for RSS.
 
 Nothing here stands in for a part: SeaweedFS, `nemo-dcr relay`, `nemo-dcr receive` and the
 torchrun trainer are the product's own commands. Two pieces are the soak's: the TCP link that
@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nemo_dcr_callback.launcher import descendants
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,21 +34,6 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return int(fields[1]), int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid. torchrun starts each rank in a session of its own, so a
-    signal to the launcher's process group never reaches the ranks: the tree does."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (st := _stat(int(d))) is not None:
-            children.setdefault(st[0], []).append(int(d))
-    out, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), []):
-            out.append(c)
-            stack.append(c)
-    return out
 
 
 def rss(pids) -> int:

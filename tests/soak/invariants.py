@@ -33,8 +33,7 @@ RSS_MIN_LIFE_S = 180.0
 STALL_SLACK_S = 10.0
 RECEIVERS = ("rx-hf", "rx-s3", "rx-dir", "rx-fp8")
 # the receivers a fault on each part reaches (the rest: all of them)
-BEHIND = {"relay-region": ("rx-hf", "rx-dir"), "relay-root": ("rx-hf", "rx-dir", "rx-fp8"),
-          **{r: (r,) for r in RECEIVERS}}
+BEHIND = {"relay-region": ("rx-hf", "rx-dir"), "relay-root": ("rx-hf", "rx-dir", "rx-fp8", "rx-vllm")}
 
 
 def kill_one_rank(p) -> None:
@@ -58,14 +57,14 @@ class Watch:
     """Polls the store (decisions, registrations, bytes), tails the receivers' JSON lines and
     samples RSS; collects violations as they happen."""
 
-    def __init__(self, store, procs: dict, cfg):
-        self.store, self.procs, self.cfg = store, procs, cfg
+    def __init__(self, store, procs: dict, cfg, receivers: tuple[str, ...] = RECEIVERS):
+        self.store, self.procs, self.cfg, self.receivers = store, procs, cfg, receivers
         self.t0 = time.monotonic()
         self.decisions: dict[int, str] = {}
         self.decided_at: dict[int, float] = {}
         self.held: dict[str, int] = {}
-        self.applied: dict[str, list[tuple[int, float]]] = {r: [] for r in RECEIVERS}
-        self.ready: dict[str, int] = {r: 0 for r in RECEIVERS}
+        self.applied: dict[str, list[tuple[int, float]]] = {r: [] for r in receivers}
+        self.ready: dict[str, int] = {r: 0 for r in receivers}
         self.verified = 0
         self.samples: list[dict] = []
         self.disk: list[tuple[float, int, int, dict]] = []
@@ -74,19 +73,23 @@ class Watch:
         self.first_violation_t: float | None = None
         self.steps: list[tuple[int, int, float]] = []  # (trainer start, step index, monotonic)
         self.convergence: dict = {}
+        self.trainer_stopped_at: float | None = None
         self._offsets: dict[str, int] = {}
         self._trainer_start = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="soak-watch")
+        self._store_thread = threading.Thread(target=self._run_store, daemon=True, name="soak-watch-store")
 
     # ------------------------------------------------------------------ loop
     def start(self) -> None:
         self._thread.start()
+        self._store_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+        self._store_thread.join(30)
         self._tail()
 
     def violate(self, msg: str) -> None:
@@ -98,13 +101,20 @@ class Watch:
         print(f"soak: VIOLATION: {msg}", flush=True)
 
     def _run(self) -> None:
+        """The logs and RSS, every 0.5 s (apart from the store's polls: S3 under a fault makes
+        those wait, and the apply times read from the logs would come late)."""
+        n = 0
+        while not self._stop.wait(0.5):
+            n += 1
+            self._tail()
+            if n % 4 == 0:
+                self._rss()
+
+    def _run_store(self) -> None:
         n = 0
         while not self._stop.wait(0.5):
             n += 1
             self._poll_store()
-            self._tail()
-            if n % 4 == 0:
-                self._rss()
             if n % 10 == 0:
                 self._disk()
 
@@ -141,7 +151,7 @@ class Watch:
     # ------------------------------------------------------------------ logs
     def _tail(self) -> None:
         for name, p in self.procs.items():
-            if name not in RECEIVERS and name != "trainer":
+            if name not in self.receivers and name != "trainer":
                 continue
             try:
                 with open(p.log, "rb") as f:
@@ -250,10 +260,37 @@ class Watch:
             pass
 
     # ------------------------------------------------------------------ dense oracle on a sample
-    def sample_dir(self, model_dir: Path, fp8_dir: Path, final: bool = False) -> None:
-        which = ["rx-dir", "rx-fp8"] if final else [("rx-dir", "rx-fp8")[len(self.samples) % 2]]
-        for name in which:
-            self._sample(name, model_dir if name == "rx-dir" else fp8_dir, final)
+    def sample(self, model_dir: Path, fp8_dir: Path, vllm_base: str | None, final: bool = False) -> None:
+        """One receiver's held weights against the dense export of the version it holds (at the
+        end: every one of them)."""
+        names = ["rx-dir", "rx-fp8", *(["rx-vllm"] if vllm_base else [])]
+        for name in names if final else [names[len(self.samples) % len(names)]]:
+            if name == "rx-vllm":
+                self._sample_vllm(vllm_base)
+            else:
+                self._sample(name, model_dir if name == "rx-dir" else fp8_dir, final)
+
+    def _sample_vllm(self, base: str) -> None:
+        """The engine's weights read back in canonical coordinates through vLLM's loader copies,
+        against the export (the worker extension's dcr_check_export)."""
+        from nemo_dcr_callback.integrations.vllm_serve import rpc
+
+        row = {"t": round(time.monotonic() - self.t0, 1), "receiver": "rx-vllm"}
+        p = self.procs["rx-vllm"]
+        if p.stopped or not p.alive():
+            self.samples.append({**row, "skipped": "under a fault"})
+            return
+        try:
+            v = int(rpc(base, "dcr_version")[0])
+            res = rpc(base, "dcr_check_export", version=v)[0]
+        except Exception as exc:  # noqa: BLE001 - starting, moved on meanwhile, or its export collected
+            self.samples.append({**row, "skipped": f"{type(exc).__name__}"})
+            return
+        row.update(version=v, tensors=res["checked"], bit_exact=not res["differ"])
+        self.samples.append(row)
+        if res["differ"]:
+            self.violate(f"rx-vllm holds version {v} but {res['differ'][0]} ({len(res['differ'])} tensors) "
+                         "differs from the dense export")
 
     def _sample(self, name: str, path: Path, final: bool) -> None:
         from safetensors.torch import load, save_file
@@ -307,7 +344,7 @@ class Watch:
 
     # ------------------------------------------------------------------ the end
     def progress(self) -> str:
-        held = ", ".join(f"{r} {self.held.get(r, '-')}" for r in RECEIVERS)
+        held = ", ".join(f"{r} {self.held.get(r, '-')}" for r in self.receivers)
         aborted = sum(1 for d in self.decisions.values() if d == "abort")
         return f"committed {self.committed_count()} (newest {self.newest()}), aborted {aborted}; held: {held}"
 
@@ -322,6 +359,7 @@ class Watch:
                 return
             time.sleep(0.2)
         trainer.wanted = False
+        self.trainer_stopped_at = time.monotonic()
         trainer.signal(signal.SIGTERM)
         time.sleep(3)
         trainer.signal(signal.SIGKILL)
@@ -330,7 +368,7 @@ class Watch:
         self._poll_store()
         target, t_stop = self.newest(), time.monotonic()
         while True:
-            behind = {r: self.held.get(r, -1) for r in RECEIVERS if self.held.get(r, -1) < target}
+            behind = {r: self.held.get(r, -1) for r in self.receivers if self.held.get(r, -1) < target}
             if not behind:
                 break
             if time.monotonic() - t_stop > converge_s:
@@ -342,7 +380,7 @@ class Watch:
                             "after_faults_stop_s": round(time.monotonic() - t_heal, 2)}
 
     def report(self, fired: list[dict], exits) -> dict:
-        self._check_stalls(fired)
+        self._check_stalls(fired, exits)
         rss = self._check_rss()
         disk = self._check_disk()
         kinds: dict[str, int] = {}
@@ -358,7 +396,7 @@ class Watch:
                          "aborted": sum(d == "abort" for d in self.decisions.values()),
                          "newest": self.newest()},
             "served": {r: {"applied": len(self.applied[r]), "starts": self.ready[r], "held": self.held.get(r)}
-                       for r in RECEIVERS},
+                       for r in self.receivers},
             "verified_applies": self.verified,
             "dense_samples": self.samples,
             "faults": {"fired": len(fired), "by_kind": kinds, "rows": fired, "recoveries": recov},
@@ -377,12 +415,23 @@ class Watch:
                 out.append((self.t0 + f["fired_at"] - 1.0, self.t0 + end + 60.0))
         return out
 
-    def _check_stalls(self, fired: list[dict]) -> None:
+    def _check_stalls(self, fired: list[dict], exits) -> None:
         windows = self._fault_windows(fired)
         bound = self.cfg.ack_timeout + STALL_SLACK_S
         worst = 0.0
-        for (s0, _, t0), (s1, _, t1) in zip(self.steps, self.steps[1:], strict=False):
-            if s0 != s1 or t0 < self.t0:
+        # each gap between two steps of one trainer start, and from a start's last step to its
+        # end (a trainer that hangs has no next step: its exit, or the soak's stop, ends the gap)
+        ends = sorted(e.t for e in exits if e.name == "trainer")
+        if self.trainer_stopped_at is not None:
+            ends.append(self.trainer_stopped_at)
+        gaps = [(a, b) for a, b in zip(self.steps, self.steps[1:], strict=False) if a[0] == b[0]]
+        for i, (start, _, t_last) in enumerate(self.steps):
+            if i + 1 == len(self.steps) or self.steps[i + 1][0] != start:
+                end = next((t for t in ends if t > t_last), None)
+                if end is not None:
+                    gaps.append(((start, 0, t_last), (start, 0, end)))
+        for (_, _, t0), (_, _, t1) in gaps:
+            if t0 < self.t0:
                 continue
             gap = t1 - t0
             excused = any(a <= t1 and t0 <= b for a, b in windows)
@@ -457,7 +506,8 @@ class Watch:
                 newest = max([v for v, t in self.decided_at.items() if t <= t_end and self.decisions[v] == "commit"],
                              default=0)
                 ts = []
-                for r in BEHIND.get(f["target"], RECEIVERS):
+                reached = (f["target"],) if f["target"] in self.receivers else BEHIND.get(f["target"], self.receivers)
+                for r in [r for r in reached if r in self.receivers]:
                     at = [t for v, t in self.applied[r] if v >= newest and t >= t_end - 0.5]
                     ts.append(t_end if self._held_at(r, t_end) >= newest else min(at) if at else None)
                 rec = None if any(t is None for t in ts) else max(ts) - t_end

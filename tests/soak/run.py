@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from tests.soak.fleet import Link, Proc, Supervisor, Tmpfs, can_mount_tmpfs, fre
 
 TOKEN = "soak-relay-token"
 PREFIX = "soak"
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+VLLM_ARGS = "--skip-tokenizer-init --dtype bfloat16 --enforce-eager --max-model-len 64 --gpu-memory-utilization 0.1"
 
 
 @dataclass
@@ -45,6 +48,7 @@ class SoakConfig:
     sample_every_s: float = 12.0  # a dense oracle check of a directory receiver
     converge_s: float = 90.0  # every receiver at the newest version this long after the faults stop
     time_limit_s: float = 1800.0
+    vllm: str = "auto"  # a vLLM engine as a fifth receiver: on, off, auto (where .venv-vllm is built)
     workdir: str | None = None
 
 
@@ -64,7 +68,14 @@ class Soak:
         if cfg.workdir and self.dir.exists() and any(self.dir.iterdir()):
             raise SystemExit(f"soak: {self.dir} is not empty (another soak's, or a finished one's: remove it)")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.faults = schedule.draw(cfg.seed, cfg.faults, cfg.mean_gap_s, cfg.ack_timeout)
+        if cfg.vllm not in ("on", "off", "auto"):
+            raise SystemExit(f"soak: --vllm is on, off or auto, not {cfg.vllm!r}")
+        if cfg.vllm == "on" and not VLLM_PYTHON.exists():
+            raise SystemExit(f"soak: --vllm on needs {VLLM_PYTHON} (make .venv-vllm/.setup-done)")
+        self.use_vllm = cfg.vllm == "on" or (cfg.vllm == "auto" and VLLM_PYTHON.exists())
+        self.receivers = (*invariants.RECEIVERS, *(["rx-vllm"] if self.use_vllm else []))
+        self.vllm_base: str | None = None
+        self.faults = schedule.draw(cfg.seed, cfg.faults, cfg.mean_gap_s, cfg.ack_timeout, receivers=self.receivers)
         self.fired: list[dict] = []
         self.tmpfs: Tmpfs | None = None
         self._undo: list[tuple[float, object, dict]] = []  # (when, undo(), fired row)
@@ -132,9 +143,21 @@ class Soak:
         self.sup.start()
         with self.sup.lock:
             self.sup.procs["s3"] = s3  # (up already)
-        self.watch = invariants.Watch(self.s3.store(PREFIX), self.procs, c)
+        from nemo_dcr_callback.transport.s3 import S3Store
+
+        # the soak's own view of the store: straight to SeaweedFS (not through the fault proxy),
+        # with short timeouts (S3 stopped by a fault must not hold the checks for minutes)
+        watch_store = S3Store(self.s3.url(f"{self.s3.bucket}/{PREFIX}"), access_key=self.s3.access_key,
+                              secret_key=self.s3.secret_key, read_timeout=5.0, connect_timeout=2.0, max_attempts=2)
+        self.watch = invariants.Watch(watch_store, self.procs, c, self.receivers)
         self.watch.start()
         self._init_dirs()
+        if self.use_vllm:
+            port = free_port()
+            self.vllm_base = f"http://127.0.0.1:{port}"
+            rx.append(Proc("rx-vllm", lambda: self._vllm_start(f"{root},{self.url}", port), logs / "rx-vllm.log",
+                           restart_s=2.0))
+            self.procs["rx-vllm"] = rx[-1]
         with self.sup.lock:
             for p in rx[2:]:
                 self.sup.procs[p.name] = p
@@ -157,6 +180,25 @@ class Soak:
         (self.model_dir / keys.MODEL_FILE).write_bytes(store.get(keys.keyframe_model(0)))
         (self.model_dir / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(0)))
         convert(self.model_dir / keys.MODEL_FILE, self.fp8_dir)
+
+    def _vllm_start(self, store_url: str, port: int):
+        """`nemo-dcr receive --vllm` from .venv-vllm, serving the newest committed keyframe (as an
+        operator's restart script would: a restarted engine loads a checkpoint, then follows)."""
+        from nemo_dcr_callback.protocol import keys
+        from nemo_dcr_callback.protocol.rebuild import latest_keyframe
+
+        store = self.watch.store
+        k = latest_keyframe(store) or 0
+        d = self.dir / "rx-vllm" / f"keyframe-{k}"
+        if not (d / keys.MODEL_FILE).exists():
+            shutil.rmtree(self.dir / "rx-vllm", ignore_errors=True)
+            d.mkdir(parents=True)
+            (d / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(k)))
+            (d / keys.MODEL_FILE).write_bytes(store.get(keys.keyframe_model(k)))
+        argv = [str(VLLM_PYTHON), "-m", "nemo_dcr_callback.cli", "receive", "--store", store_url, "--vllm", str(d),
+                "--version", str(k), "--port", str(port), "--id", "rx-vllm", "--json", "--idle-poll-ms", "200",
+                "--vllm-args", VLLM_ARGS]
+        return argv, {**self._env(), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
     # ------------------------------------------------------------------ faults
     def fire(self, f: schedule.Fault) -> None:
@@ -228,7 +270,10 @@ class Soak:
         self.watch.wait_committed(1, timeout=300)
         self.t0 = time.monotonic()
         self.watch.t0 = self.t0
-        nxt, last_gc, last_sample, last_report = 0, self.t0, self.t0, self.t0
+        nxt, last_report = 0, self.t0
+        chores = threading.Thread(target=self._chores, daemon=True, name="soak-chores")
+        self._chores_stop = threading.Event()
+        chores.start()
         try:
             while nxt < len(self.faults) or self.watch.committed_count() < c.versions:
                 now = time.monotonic()
@@ -240,25 +285,21 @@ class Soak:
                     self.fire(self.faults[nxt])
                     nxt += 1
                 self._due_undos()
-                if now - last_gc >= c.gc_every_s:
-                    last_gc = now
-                    self.watch.gc(self._env(), self.url)
-                if now - last_sample >= c.sample_every_s:
-                    last_sample = now
-                    self.watch.sample_dir(self.model_dir, self.fp8_dir)
                 if now - last_report >= 30:
                     last_report = now
                     self.log(f"soak: t+{now - self.t0:.0f}s: {self.watch.progress()}; faults {nxt}/{len(self.faults)}")
                 if self.watch.violations:
                     break
                 time.sleep(0.1)
+            self._chores_stop.set()
+            chores.join(180)
             self.heal()
             t_heal = time.monotonic()
             self.log(f"soak: faults over at t+{t_heal - self.t0:.0f}s; healing")
             if not self.watch.violations:
                 self.watch.converge(self.procs["trainer"], c.converge_s, t_heal)
                 self.watch.gc(self._env(), self.url)
-                self.watch.sample_dir(self.model_dir, self.fp8_dir, final=True)
+                self.watch.sample(self.model_dir, self.fp8_dir, self.vllm_base, final=True)
         finally:
             self.sup.stop()
             self.watch.stop()
@@ -267,6 +308,20 @@ class Soak:
             if self.tmpfs is not None:
                 self.tmpfs.umount()
         return self.report(time.monotonic() - t_start)
+
+    def _chores(self) -> None:
+        """gc and the dense samples, beside the fault loop: a gc or a sample that waits on S3
+        under a fault must not hold the schedule back (it did: faults fired 90 s late)."""
+        c = self.cfg
+        last_gc = last_sample = time.monotonic()
+        while not self._chores_stop.wait(0.2):
+            now = time.monotonic()
+            if now - last_gc >= c.gc_every_s:
+                self.watch.gc(self._env(), self.url)
+                last_gc = time.monotonic()
+            if now - last_sample >= c.sample_every_s:
+                self.watch.sample(self.model_dir, self.fp8_dir, self.vllm_base)
+                last_sample = time.monotonic()
 
     def report(self, wall_s: float) -> dict:
         r = self.watch.report(self.fired, self.sup.exits)

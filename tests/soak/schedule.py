@@ -19,8 +19,8 @@ RELAYS = ("relay-root", "relay-region")
 # region relay's link to its parent dropped (refused or black-holed); truncate / delay / throttle:
 # S3 responses cut short, late, or 503 SlowDown (the fault proxy in front of SeaweedFS).
 KINDS: dict[str, tuple[float, tuple[str, ...]]] = {
-    "kill": (5.0, ("trainer", "s3", *RELAYS, *RECEIVERS)),
-    "stop": (2.0, ("s3", *RELAYS, *RECEIVERS)),
+    "kill": (5.0, ("trainer", "s3", *RELAYS, "receiver")),
+    "stop": (2.0, ("s3", *RELAYS, "receiver")),
     "diskfull": (1.0, ("rx-dir",)),
     "cut": (1.0, ("relay-region",)),
     "truncate": (1.0, ("s3",)),
@@ -42,9 +42,11 @@ class Fault:
 
 
 def draw(seed: int, n: int, mean_gap_s: float, ack_timeout: float, pair_p: float = 0.3,
-         trainer_gap_s: float = 45.0) -> list[Fault]:
+         trainer_gap_s: float = 45.0, receivers: tuple[str, ...] = RECEIVERS) -> list[Fault]:
     """n faults. Trainer kills are at least trainer_gap_s apart (its restart takes ~20 s, and a
-    trainer that never gets to publish proves nothing); stops last past the ack timeout."""
+    trainer that never gets to publish proves nothing); stops last past the ack timeout.
+    "receiver" in KINDS stands for each of `receivers` (the same seed and receivers: the same
+    schedule)."""
     rng = random.Random(seed)
     kinds = list(KINDS)
     weights = [KINDS[k][0] for k in kinds]
@@ -56,10 +58,11 @@ def draw(seed: int, n: int, mean_gap_s: float, ack_timeout: float, pair_p: float
             if len(out) >= n:
                 break
             kind = rng.choices(kinds, weights)[0]
-            target = rng.choice(KINDS[kind][1])
+            targets = [x for k in KINDS[kind][1] for x in (receivers if k == "receiver" else (k,))]
+            target = rng.choice(targets)
             if target == "trainer":
                 if t - last_trainer < trainer_gap_s:
-                    target = rng.choice(RECEIVERS)
+                    target = rng.choice(receivers)
                 else:
                     last_trainer = t
             out.append(_fault(rng, round(t, 2), kind, target, ack_timeout))

@@ -21,7 +21,7 @@ from tests.soak.run import Soak, SoakConfig, print_failure
 @pytest.mark.parametrize("seed", [1])
 def test_short_soak(tmp_path, seed):
     cfg = SoakConfig(seed=seed, versions=40, faults=12, mean_gap_s=5.0, workdir=str(tmp_path / "soak"),
-                     time_limit_s=420.0)
+                     time_limit_s=420.0, vllm="off")
     soak = Soak(cfg)
     rep = soak.run()
     print(invariants.table(rep))
