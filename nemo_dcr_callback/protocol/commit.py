@@ -380,8 +380,8 @@ def read_keyframe(store, v: int) -> dict | None:
 def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
     """Delete what nobody needs: aborted versions; undecided versions older than the newest
     decision; committed versions at or below both the newest usable keyframe and the oldest
-    version a live receiver holds; keyframes older than the newest usable one. Returns the
-    deleted keys."""
+    version a live receiver holds; keyframes older than the newest usable one, and those of
+    aborted or collected versions. Returns the deleted keys."""
     vs = list_versions(store)
     decisions = {v: read_decision(store, v) for v in vs}
     committed = [v for v in vs if decisions[v] and decisions[v]["decision"] == "commit"]
@@ -398,7 +398,12 @@ def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
                        or (decisions[v] is None and v < newest_decided)
                        or (v in committed and v <= floor and not (v in kfs and v >= newest_kf))]
     prefixes = [vdir(v) for v in doomed_versions] + [keys.verify_dir(v) for v in doomed_versions]
-    prefixes += [keyframe_dir(kf) for kf in kfs if kf < newest_kf]
+    # keyframes older than the newest usable one, and those of versions aborted or collected
+    # (a trainer writes a keyframe before its version is decided; those of aborted versions
+    # were never deleted: the soak's store held one per trainer restart)
+    prefixes += [keyframe_dir(kf) for kf in keyframes(store) if kf != 0 and (
+        kf < newest_kf or kf not in decisions or (decisions[kf] or {}).get("decision") == "abort")]
+    prefixes += [keyframe_dir(0)] if 0 < newest_kf else []
     if dry_run:
         return [k for p in prefixes for k in store.list(p)]
     return [k for p in prefixes for k in store.delete_prefix(p)]

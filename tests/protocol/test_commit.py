@@ -164,10 +164,12 @@ def test_gc_keeps_the_newest_keyframe_usable(tmp_path):
     """gc collects committed versions up to the newest keyframe, but the keyframe's own version
     keeps its folder: a keyframe counts only while its version's decision says commit. Found by
     the chaos soak: collected, it left no usable keyframe, and the restarted trainer failed with
-    'no keyframe at or before version 67 to rebuild it from'."""
+    'no keyframe at or before version 67 to rebuild it from'. A keyframe of an aborted version
+    goes (they piled up, one per trainer restart)."""
     import torch
 
     from nemo_dcr_callback.protocol.rebuild import latest_keyframe, reconstruct
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
     from tests.helpers.tensors import perturb, same_bits
 
     store = FileStore(tmp_path / "store")
@@ -179,6 +181,13 @@ def test_gc_keeps_the_newest_keyframe_usable(tmp_path):
         versions.publish(store, v, v - 1, states[-2], states[-1])
         if v == 3:
             commit.write_keyframe(store, 3, states[3])
+    states.append({k: perturb(t, 0.05, g) for k, t in states[-1].items()})
+    s = TensorSender(states[5], 0, 1)
+    for n in s.tensors:
+        s.tensors[n] = states[6][n]
+    s.write(store, 6, 5, s.take())
+    commit.write_keyframe(store, 6, states[6])  # the trainer's keyframe of a version then aborted
+    commit.decide(store, 6, 5, "abort", [], [], "test")
     commit.register(store, "rx", 5)
     commit.gc(store)
     commit.gc(store)  # (a second round changes nothing)
