@@ -78,6 +78,15 @@ class Publisher:
         self._holds: dict[int, set[str]] = {}  # version -> what still reads its shared-memory segment
         self._error: str | None = None
         self._failed: set[int] = set()
+        # Ranks other than 0 learn a version's decision when their worker reads it, each at its
+        # own time; the base of the next version must be the same on every rank. So only rank
+        # 0 acts on an abort at once, and tells the others at each publish (_agree): a rank that
+        # rolled back on its own report published on the last committed version while rank 0
+        # was still on the chain (or the reverse), the seal refused the version ("ranks
+        # disagree") and the job stopped, or every version after an abort aborted until a
+        # restart (the chaos soak: 250 versions).
+        self._agreeing = self.world > 1 and dist.is_initialized() and dist.get_world_size() == self.world
+        self._deferred: set[int] = set()  # aborts reported here, not yet acted on (ranks != 0)
         self.history: list[PublishStats] = []  # committed versions
         self.aborted: list[PublishStats] = []
         self._process = cfg.worker == "process"
@@ -132,8 +141,10 @@ class Publisher:
     # -------------------------------------------------------------- trainer side
     def publish(self, version: int) -> PublishStats:
         """Take this step's delta and queue it as `version` (> the last one)."""
-        self._drain(block=False)
+        self._drain(block=False, defer_aborts=self._agreeing and self.rank != 0)
         self._raise()
+        if self._agreeing:
+            self._agree()
         if version <= self.last_version:
             raise ValueError(f"version {version} is not after {self.last_version}")
         t0 = time.perf_counter()
@@ -148,8 +159,9 @@ class Publisher:
         else:
             payload = pack(self._index, taken, self._shm, version)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
-        while len(self._failed) < len(self._inflight) and self._pending + size > self.max_pending:
-            self._drain(block=True, timeout=1.0)  # back-pressure
+        while (len(self._failed) + len(self._deferred) < len(self._inflight)
+               and self._pending + size > self.max_pending):  # back-pressure
+            self._drain(block=True, timeout=1.0, defer_aborts=self._agreeing and self.rank != 0)
         self._raise()
         self._inflight[version] = size
         self._holds[version] = {"worker", "undo"}
@@ -158,8 +170,34 @@ class Publisher:
         self.last_version = version
         return st
 
+    def _agree(self) -> None:
+        """Every rank takes rank 0's view of the decisions before taking this step's delta (a
+        broadcast of two numbers: the last committed version, and the base rank 0 publishes on).
+        Where rank 0 rolled back after an abort, the others roll back to the same version now,
+        whether or not their own worker has read the decision yet."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        view = torch.tensor([self.last_committed, self.last_version], dtype=torch.int64, device=dev)
+        dist.broadcast(view, src=0)
+        committed, base = (int(x) for x in view.tolist())
+        if self.rank == 0:
+            return
+        for v in sorted(v for v in self._inflight if v <= committed and v not in self._deferred):
+            self._pending -= self._inflight.pop(v)  # committed: rank 0 saw the decision first
+            self.sender.settle(v)
+            self._unhold(v, "undo")
+        self.last_committed = max(self.last_committed, committed)
+        if base == committed and self.last_version > base:  # rank 0 rolled back to it
+            self._roll_back(base + 1)
+            self.last_version = base
+        self._deferred = {v for v in self._deferred if v in self._inflight}
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is decided (committed or aborted)."""
+        for v in sorted(self._deferred):  # (every rank flushes: every rank ends on the last commit)
+            if v in self._inflight:
+                self._roll_back(v)
+                self.last_version = self.last_committed
+        self._deferred.clear()
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._failed) < len(self._inflight):
             if deadline is not None and time.monotonic() > deadline:
@@ -189,6 +227,7 @@ class Publisher:
         for v in [v for v in self._inflight if v >= version]:
             self._pending -= self._inflight.pop(v)
             self._failed.discard(v)
+            self._deferred.discard(v)
             self._unhold(v, "undo")
 
     def _unhold(self, version: int, why: str) -> None:
@@ -204,12 +243,12 @@ class Publisher:
             if self._shm is not None:
                 self._shm.release(version)
 
-    def _drain(self, block: bool, timeout: float | None = None) -> None:
+    def _drain(self, block: bool, timeout: float | None = None, defer_aborts: bool = False) -> None:
         """Take the worker's reports (in version order per stage). A commit settles the
         version (its undo is dropped); an abort restores the baselines to the last committed version
         (the next version then carries the aborted changes too: XOR deltas compose); a
         failure is kept until _raise."""
-        while len(self._failed) < len(self._inflight):
+        while len(self._failed) + len(self._deferred) < len(self._inflight):
             try:
                 msg: Report = self._results.get(block=block, timeout=timeout)
             except queue.Empty:
@@ -225,6 +264,9 @@ class Publisher:
                 self._unhold(version, "undo")
                 self.history.append(msg.stats)
                 self.last_committed = version
+            elif isinstance(msg, Decided) and defer_aborts:
+                self.aborted.append(msg.stats)
+                self._deferred.add(version)  # acted on when rank 0 says so (_agree), or at flush
             elif isinstance(msg, Decided):
                 self.aborted.append(msg.stats)
                 self._roll_back(version)
@@ -242,7 +284,7 @@ class Publisher:
         version, and let the worker take jobs again."""
         if self._error is None:
             return
-        while len(self._failed) < len(self._inflight):
+        while len(self._failed) + len(self._deferred) < len(self._inflight):
             self._drain(block=True, timeout=1.0)
         if self._inflight:
             self._roll_back(min(self._inflight))
