@@ -123,7 +123,7 @@ placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied
 SEED ?= 1
 soak: setup
 	$(BIN)/python -m tests.soak.run --seed $(SEED) --versions 500 --faults 100 --mean-gap-s 6 \
-		--converge-s 240 --time-limit-s 3600 --json benchmarks/results/soak.json
+		--converge-s 240 --progress-s 60 --time-limit-s 3600 --json benchmarks/results/soak.json
 
 faults: setup  # the whole fault-injection suite (make test runs its fast part); table -> docs/FAULTS.md
 	NEMO_DCR_FAULT_TABLE=benchmarks/results/faults.json $(BIN)/python -m pytest -q tests/faults

@@ -441,6 +441,18 @@ class Watch:
                     self.violate(f"a trainer step waited {gap:.1f} s (bound {bound:.0f} s) at t+{t0 - self.t0:.0f}s "
                                  "with neither the trainer nor S3 under a fault")
         self.stall = {"worst_unexcused_gap_s": round(worst, 2), "bound_s": bound}
+        # and training's versions keep committing: a trainer stepping while every version
+        # aborts (its ranks disagreeing on the base after an abort) stalls the fleet as surely
+        commits = sorted(t for v, t in self.decided_at.items() if self.decisions[v] == "commit" and t >= self.t0)
+        worst_c = 0.0
+        for t0, t1 in zip(commits, commits[1:], strict=False):
+            if any(a <= t1 and t0 <= b for a, b in windows):
+                continue
+            worst_c = max(worst_c, t1 - t0)
+            if self.cfg.progress_s and t1 - t0 > self.cfg.progress_s:
+                self.violate(f"no version committed for {t1 - t0:.0f} s (bound {self.cfg.progress_s:.0f} s) from "
+                             f"t+{t0 - self.t0:.0f}s, with neither the trainer nor S3 under a fault")
+        self.stall["worst_commit_gap_s"] = round(worst_c, 2)
 
     def _check_rss(self) -> dict:
         out = {}

@@ -47,6 +47,7 @@ class SoakConfig:
     live_s: float = 90.0
     sample_every_s: float = 12.0  # a dense oracle check of a directory receiver
     converge_s: float = 90.0  # every receiver at the newest version this long after the faults stop
+    progress_s: float = 0.0  # a commit at least this often outside trainer/S3 faults (0: not checked)
     time_limit_s: float = 1800.0
     vllm: str = "auto"  # a vLLM engine as a fifth receiver: on, off, auto (where .venv-vllm is built)
     workdir: str | None = None
