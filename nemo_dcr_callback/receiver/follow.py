@@ -81,6 +81,11 @@ class Follower:
         self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
         self._device = getattr(self.target, "device", None)  # a loader's model on a GPU: old bits read there
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
+        # versions this follower can never apply (aborted, or on a base older than the one held):
+        # each poll looked at every one again, two requests apiece. Under an abort storm hundreds
+        # lay between the version held and the next one on it, a poll took longer than the ack
+        # timeout, that version aborted too, and the storm fed itself (the chaos soak).
+        self._passed: set[int] = set()
         # called with (version, error) at each refusal, also the ones acked and gone on from
         self.on_refuse: Callable[[int, BaseException], None] | None = None
         self.max_refusals = 3
@@ -407,7 +412,9 @@ class Follower:
             else:
                 known = commit.list_versions(self.store)
             news = None
-            for v in [v for v in known if v > self.version]:
+            if len(self._passed) > 64:
+                self._passed = {v for v in self._passed if v > self.version}
+            for v in [v for v in known if v > self.version and v not in self._passed]:
                 # One listing says whether v has a decision and a record (read only if so) and
                 # which parts are there: a version that just appeared costs one round trip
                 # before its first part is under way, not three.
@@ -415,6 +422,7 @@ class Follower:
                 d = commit.read_decision(self.store, v) if commit.decision_key(v) in listing else None
                 if d is not None and d["decision"] != "commit":
                     self._drop(v)
+                    self._passed.add(v)
                     continue
                 if v in self.refused and d is None:
                     continue  # refused (acked as such): wait for the decision before trying again
@@ -428,6 +436,8 @@ class Follower:
                     continue
                 if rec["base"] != self.version:
                     self._drop(v)  # not on the version held (anything applied early is undone)
+                    if rec["base"] < self.version:
+                        self._passed.add(v)
                     continue
                 try:
                     out.append(self.apply_version(v, rec))
