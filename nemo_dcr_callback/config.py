@@ -31,7 +31,10 @@ class CommitPolicy:
             baselines; the next version covers the changes).
     quorum: commit once every expected receiver answered, or at `timeout` if at least
             `quorum` of them acked; the rest are marked lagging and catch up later;
-            otherwise abort.
+            otherwise abort. Once the quorum acked, the rest get `grace` seconds (or as
+            long again as the quorum took, if longer), and receivers the previous decision
+            marked lagging are not waited for at all: one stalled receiver must not hold
+            every version for the whole timeout while the trainer publishes every step.
     Expected receivers: those registered (and seen within `live_s`) when the version is
     sealed. With none registered, a sealed version commits at once.
     """
@@ -41,8 +44,11 @@ class CommitPolicy:
     quorum: float = 0.5
     live_s: float = 600.0
     poll: float = 0.01
+    grace: float = 1.0
 
     def __post_init__(self):
+        if self.grace < 0:
+            raise ValueError("grace is seconds >= 0")
         if self.mode not in ("wait", "abort", "quorum"):
             raise ValueError(f"commit policy must be wait, abort or quorum, not {self.mode!r}")
         if not 0.0 <= self.quorum <= 1.0:
@@ -139,6 +145,7 @@ class DCRConfig:
     commit_policy: str = CommitPolicy.mode  # wait | abort | quorum: what to do about slow or refusing receivers
     ack_timeout: float = CommitPolicy.timeout  # seconds the committer waits for receivers' acks
     quorum: float = CommitPolicy.quorum  # quorum policy: fraction of registered receivers that must ack
+    ack_grace: float = CommitPolicy.grace  # quorum policy: seconds the rest get once the quorum acked
     keyframe_every: int = 0  # also write a full keyframe every N versions (0: only version 0)
     # the dense export of every Nth version under verify/ (receivers' --verify, audits), without
     # verify's replay and without waiting for the commit: a version may still be aborted
@@ -160,7 +167,7 @@ class DCRConfig:
 
     def commit_policy_config(self) -> CommitPolicy:
         """What the committer (rank 0) does about slow or refusing receivers."""
-        return CommitPolicy(self.commit_policy, self.ack_timeout, self.quorum)
+        return CommitPolicy(self.commit_policy, self.ack_timeout, self.quorum, grace=self.ack_grace)
 
     def publisher_config(self) -> PublisherConfig:
         """Every rank's Publisher."""

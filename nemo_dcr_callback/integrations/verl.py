@@ -90,7 +90,7 @@ class DCRCheckpointEngine(CheckpointEngine):
 
     store           the store URL (required), the same on every worker
     receiver_id     rollout workers register as `{receiver_id}-{rank}` in the joint commit
-    commit_policy   wait | abort | quorum, ack_timeout (s), quorum: config.CommitPolicy
+    commit_policy   wait | abort | quorum, ack_timeout (s), quorum, ack_grace (s): config.CommitPolicy
     timeout         seconds a rollout worker waits for the sync's version (and a keyframe)
     poll_s          the rollout worker's pause between polls of the store
     staging         "cpu": the actor copies each weight to host memory as verl yields it (one
@@ -102,7 +102,8 @@ class DCRCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int = 0, is_master: bool = False, *, store: str | None = None,
                  receiver_id: str = "verl-rollout", commit_policy: str = "quorum", ack_timeout: float = 60.0,
-                 quorum: float = 0.5, timeout: float = 600.0, poll_s: float = 0.01, staging: str = "cpu"):
+                 quorum: float = 0.5, ack_grace: float = 1.0, timeout: float = 600.0, poll_s: float = 0.01,
+                 staging: str = "cpu"):
         if not store:
             raise ValueError("checkpoint engine dcr needs a store: set "
                              "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dcr.store")
@@ -110,7 +111,7 @@ class DCRCheckpointEngine(CheckpointEngine):
             raise ValueError(f"dcr staging must be 'cpu' or 'device', not {staging!r}")
         self.bucket_size, self.is_master = bucket_size, is_master
         self.store_url, self.prefix, self.staging = store, receiver_id, staging
-        self.policy = CommitPolicy(commit_policy, ack_timeout, quorum)
+        self.policy = CommitPolicy(commit_policy, ack_timeout, quorum, grace=ack_grace)
         self.timeout, self.poll_s = timeout, poll_s
         self._store = None
         self.publisher: NamedPublisher | None = None

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from safetensors.torch import save
 
@@ -251,16 +251,22 @@ def read_decision(store, v: int) -> Decision | None:
 
 
 def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: bool = True,
-               expected: list[str] | None = None, log: Callable[[str], None] | None = None) -> Decision:
+               expected: list[str] | None = None, log: Callable[[str], None] | None = None,
+               behind: Collection[str] = ()) -> Decision:
     """The committer's side of version rec['version'] (rank 0's publisher worker): collect acks
-    per the policy, then decide. A version whose base was not committed is aborted at once."""
+    per the policy, then decide. A version whose base was not committed is aborted at once.
+    behind: receivers the previous decision marked lagging; under the quorum policy a version
+    is not held for them (their acks count if they came in time)."""
     v, base = rec["version"], rec["base"]
     if not base_committed:
         return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
     if expected is None:
         expected = sorted(receivers(store, policy.live_s))
-    deadline = time.monotonic() + policy.timeout
+    t0 = time.monotonic()
+    deadline = t0 + policy.timeout
     need = math.ceil(policy.quorum * len(expected))
+    prompt = [k for k in expected if k not in behind]
+    quorum_at: float | None = None
     seen: dict[str, Ack] = {}
     token, news, listed_at = 0, None, -1e9
     quiet_since = time.monotonic()
@@ -283,7 +289,13 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
             why = "; ".join(f"{k}: {acks[k]['error'] or 'wrong base'}" for k in refused[:3])
             return decide(store, v, base, "abort", ok, refused, f"refused by {why}")
         answered = len(acks) == len(expected)
-        late = time.monotonic() > deadline
+        now = time.monotonic()
+        late = now > deadline
+        if policy.mode == "quorum" and quorum_at is None and len(ok) >= need:
+            quorum_at = now
+            deadline = min(deadline, now + max(policy.grace, now - t0))
+        if quorum_at is not None and all(k in acks for k in prompt):
+            answered = True
         if policy.mode == "quorum" and (answered or late):
             lagging = [k for k in expected if k not in ok]
             if len(ok) >= need:

@@ -142,6 +142,7 @@ class NamedPublisher:
                  log: Callable[[str], None] | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()
+        self.behind: list[str] = []  # receivers the last decision marked lagging (run_commit)
         self.part_bytes, self.seal_timeout, self.log = part_bytes, seal_timeout, log
         current = None if tensors is None else _named(tensors)
         last, newest, dangling = commit.resume_point(self.store)
@@ -188,7 +189,8 @@ class NamedPublisher:
             self.sender.roll_back()
             commit.abort_dangling(self.store, [v], f"the publisher failed: {exc}", base=self.last)
             raise PublishError(f"version {v} was not published: {exc}") from exc
-        d = commit.run_commit(self.store, rec, self.policy, log=self.log)
+        d = commit.run_commit(self.store, rec, self.policy, log=self.log, behind=self.behind)
+        self.behind = d["lagging"]
         committed = d["decision"] == "commit"
         if committed:
             self.sender.settle()

@@ -96,6 +96,7 @@ class _Worker:
         self.encoder = Encoder(spec.placement, spec.span, spec.level, mirror)
         self.digests = {spec.base_version: dict(spec.digests)}  # version -> this rank's slice digests
         self.status = {spec.base_version: "commit"}  # version -> "commit" | "abort"
+        self.behind: list[str] = []  # receivers the last decision marked lagging (run_commit)
         self.staged: queue.Queue = queue.Queue()  # upload stage -> commit stage
 
     # ------------------------------------------------------------ upload stage
@@ -165,7 +166,8 @@ class _Worker:
             if self.status.get(base) == "commit":
                 rec = commit.seal_version(self.store, version, base, spec.world, timeout=spec.seal_timeout)
                 st.seal_s = time.perf_counter() - t0
-                d = commit.run_commit(self.store, rec, spec.policy)
+                d = commit.run_commit(self.store, rec, spec.policy, behind=self.behind)
+                self.behind = d["lagging"]
             else:
                 d = commit.decide(self.store, version, base, "abort", [], [], f"base version {base} was aborted")
         else:  # off the refit's path (receivers read the decision themselves): poll gently,

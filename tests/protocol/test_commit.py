@@ -107,6 +107,36 @@ def test_a_committer_waiting_for_a_quiet_receiver_looks_less_and_less_often(tmp_
     assert commit.ack_pause(0.01, 0.4) == 0.01 and commit.ack_pause(0.01, 600.0) == commit.ACK_POLL_MAX_S
 
 
+def test_quorum_holds_a_version_a_grace_not_the_timeout_for_a_stalled_receiver(tmp_path):
+    """Found by the chaos soak: under the quorum policy one stalled receiver held every version
+    for the whole ack timeout, decisions fell minutes behind a trainer publishing every step,
+    and whatever queued behind an abort aborted too. Once the quorum acked the rest get the
+    grace; a receiver the last decision marked lagging is not waited for at all; one that acks
+    within the grace still counts."""
+    store = FileStore(tmp_path)
+    pol = commit.CommitPolicy("quorum", timeout=30, quorum=0.5, grace=0.5)
+    expected = ["a", "b", "stalled"]
+    for v in (1, 2):
+        commit.write_ack(store, v, "a", v - 1)
+        commit.write_ack(store, v, "b", v - 1)
+    t0 = time.monotonic()
+    d1 = commit.run_commit(store, {"version": 1, "base": 0}, pol, expected=expected)
+    t1 = time.monotonic()
+    assert d1["decision"] == "commit" and d1["lagging"] == ["stalled"]
+    assert 0.5 <= t1 - t0 < 5  # the grace, not the 30 s timeout
+    d2 = commit.run_commit(store, {"version": 2, "base": 1}, pol, expected=expected, behind=d1["lagging"])
+    assert d2["decision"] == "commit" and time.monotonic() - t1 < 0.4  # not held for it again
+    commit.write_ack(store, 3, "a", 2)
+    commit.write_ack(store, 3, "b", 2)
+    th = threading.Timer(0.2, lambda: commit.write_ack(store, 3, "stalled", 2))
+    th.start()
+    d3 = commit.run_commit(store, {"version": 3, "base": 2}, pol, expected=expected)
+    th.join()
+    assert d3["acked"] == ["a", "b", "stalled"] and d3["lagging"] == []  # it made the grace
+    with pytest.raises(ValueError, match="grace"):
+        commit.CommitPolicy("quorum", grace=-1)
+
+
 def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_path):
     """Ranks other than 0 only drop or undo their undo log on a version's decision, and on S3
     each look is a GET from every rank of the job: the pause doubles from 50 ms up to 1 s
