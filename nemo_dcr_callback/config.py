@@ -112,9 +112,10 @@ class FollowerConfig:
     idle_poll_s: float = 0.1
     journal: str | None = None  # redo journal directory: weights that outlive this follower (journal.py)
     early: bool | str = False  # apply while fetching: True, "sealed" or False (APPLY_MODES; fetch.py)
-    # The registration (liveness, and the version held, which gc keeps) is refreshed after an
-    # apply at most this often: a write per version per receiver is load on the relays and
-    # the store that a fleet multiplies, and it was on the refit's path.
+    # The registration (liveness, and the version held, which gc keeps) is refreshed this often,
+    # applied or idle (Follower.heartbeat): a write per version per receiver is load on the
+    # relays and the store that a fleet multiplies, and it was on the refit's path. It must
+    # stay well under the live_s of gc and of the commit's expected receivers.
     register_every_s: float = 30.0
     fetch_lanes: int = FETCH_LANES  # parts of one version downloading at once (receiver.fetch.Parts)
 

@@ -15,17 +15,13 @@ where vLLM runs collective_rpc), so the engine pauses only for the apply: the mo
 become the chunks' operation, so vLLM's fused qkv_proj/gate_up_proj, its TP shards and padded
 vocab are its own doing). A refused version changes nothing.
 
-Digests: a tensor a worker holds whole is checked there; one that tensor parallelism shards is
-checked as the sum of the workers' partial digests over the TP group (each element counted by
-the lowest rank that holds it), one collective per apply.
+Digests: a tensor a worker holds whole is checked there; a TP-sharded one as the sum of the
+workers' partial digests (each element counted by its lowest rank), one collective per apply.
 
-On CPU, vLLM repacks every linear weight for its GEMM kernels after loading and drops the
-weight (`dispatch_cpu_unquantized_gemm(remove_weight=True)`): there is then nothing to update
-in place. Importing this module (which vLLM does in each worker before the model loads)
-makes the CPU dispatch keep the weights, and after an apply the layers whose weights changed
-are repacked (the `repack_s` of the result). GPUs keep their weights; nothing is repacked.
-
-Arguments may come as strings: `vllm serve`'s /collective_rpc passes only strings.
+On CPU, vLLM repacks every linear weight for its GEMM kernels and drops the weight
+(`dispatch_cpu_unquantized_gemm(remove_weight=True)`). Importing this module (vLLM does in each
+worker before the model loads) makes it keep the weights; after an apply the layers whose
+weights changed are repacked (`repack_s`). Arguments may come as strings (/collective_rpc's).
 
 Served through HTTP (`nemo-dcr receive --vllm`: integrations/vllm_serve.py), anyone who reaches
 the dev-mode port can call these methods, so the server pins them: with NEMO_DCR_VLLM_STORE
@@ -48,8 +44,9 @@ from safetensors.torch import load, load_file
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.codec.checkpoint import Checkpoint
-from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, EXT, SERVED_DIR_ENV, STORE_ENV
+from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, EXT, SERVED_DIR_ENV, STORE_DOWN, STORE_ENV
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver.background import BackgroundFollower
 from nemo_dcr_callback.receiver.targets.loader import LoaderTarget
 from nemo_dcr_callback.transport.store import open_store
@@ -479,7 +476,10 @@ class DCRWorkerExtension:
         EngineWeights.attach). A relay's token is read from NEMO_DCR_RELAY_TOKEN in the
         engine's environment, never passed."""
         check_store_allowed(store_url)  # before anything changes: the engine goes on as it was
-        return self._dcr_weights(model_dir).attach(store_url, receiver_id, int(version), float(idle_poll_s))
+        try:
+            return self._dcr_weights(model_dir).attach(store_url, receiver_id, int(version), float(idle_poll_s))
+        except StoreError as exc:  # named, so that a caller can tell it from a refusal and retry
+            raise RuntimeError(f"{STORE_DOWN}: {exc}") from exc
 
     def dcr_detach(self) -> None:
         """Stop following (the weights stay as they are)."""

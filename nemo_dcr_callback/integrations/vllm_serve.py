@@ -31,7 +31,10 @@ import urllib.request
 from pathlib import Path
 
 from nemo_dcr_callback.launcher import is_loopback
+from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver.main import _emit
+from nemo_dcr_callback.transport.store import open_store
 
 EXT = "nemo_dcr_callback.integrations.vllm.DCRWorkerExtension"
 
@@ -45,6 +48,8 @@ class ServeError(RuntimeError):
 STORE_ENV = "NEMO_DCR_VLLM_STORE"
 ANY_STORE_ENV = "NEMO_DCR_VLLM_ANY_STORE"
 SERVED_DIR_ENV = "NEMO_DCR_VLLM_MODEL_DIR"
+# dcr_attach's error when the store failed it (over HTTP an error is text): run retries those
+STORE_DOWN = "nemo-dcr: store unavailable"
 _BIND_FLAGS = ("--host", "--port", "--uds")  # where vLLM listens: this command's --host and --port only
 
 
@@ -78,9 +83,50 @@ def rpc(base: str, method: str, **kwargs) -> list:
         "results"]
 
 
-def _wait_up(base: str, proc: subprocess.Popen, timeout: float) -> None:
+class _Registration:
+    """The receiver's registration while the engine starts (minutes for a large model): gc
+    keeps what a registered receiver holds, and an engine that registered only once it was up
+    found the versions after its checkpoint collected (the chaos soak). Best effort: the
+    follower registers again once attached."""
+
+    def __init__(self, store_url: str, receiver_id: str | None, version: int, every_s: float = 30.0):
+        self.store, self.rid, self.version, self.every_s, self.at = None, receiver_id, version, every_s, -1e18
+        if receiver_id:
+            self.store = open_store(store_url)
+        self.beat()
+
+    def beat(self) -> None:
+        if self.store is None or time.monotonic() - self.at < self.every_s:
+            return
+        try:
+            commit.register(self.store, self.rid, self.version)
+            self.at = time.monotonic()
+        except StoreError as exc:
+            print(f"nemo-dcr receive: could not register {self.rid!r} ({exc}); retrying", file=sys.stderr, flush=True)
+
+
+def _attach(base: str, proc: subprocess.Popen, reg: _Registration, deadline: float, **kwargs) -> None:
+    """dcr_attach, again while the store fails it (a throttled or restarting store must not
+    end a receiver that took minutes to start) until the start-up deadline."""
+    said = False
+    while True:
+        try:
+            rpc(base, "dcr_attach", **kwargs)
+            return
+        except ServeError as exc:
+            if STORE_DOWN not in str(exc) or time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            if not said:
+                print(f"nemo-dcr receive: attach: {exc}; retrying", file=sys.stderr, flush=True)
+                said = True
+        reg.beat()
+        time.sleep(1.0)
+
+
+def _wait_up(base: str, proc: subprocess.Popen, timeout: float, beat=lambda: None) -> None:
     deadline = time.monotonic() + timeout
     while True:
+        beat()
         if proc.poll() is not None:
             raise ServeError(f"vllm serve exited with status {proc.returncode} before it was up (see its output above)")
         try:
@@ -111,6 +157,8 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
            *(vllm_args or [])]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{STORE_ENV: store_url,
                                                         SERVED_DIR_ENV: str(Path(model_dir).resolve())})
+    reg = _Registration(store_url, receiver_id, version)
+    deadline = time.monotonic() + startup_timeout
     proc = subprocess.Popen(cmd, env=env)
 
     def stop(signum, frame):
@@ -118,8 +166,8 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
 
     old = signal.signal(signal.SIGTERM, stop)
     try:
-        _wait_up(base, proc, startup_timeout)
-        rpc(base, "dcr_attach", store_url=store_url, receiver_id=receiver_id or "", version=version)
+        _wait_up(base, proc, startup_timeout, reg.beat)
+        _attach(base, proc, reg, deadline, store_url=store_url, receiver_id=receiver_id or "", version=version)
         _emit(json_lines, f"receiver: vllm serve at {base} holds version {version}, following {store_url}",
              event="ready", url=base, version=version)
         held, said = version, None

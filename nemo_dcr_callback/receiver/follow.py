@@ -73,9 +73,8 @@ class Follower:
         self.tensors = target if isinstance(target, dict) else None
         self.version = version
         self.receiver_id = cfg.receiver_id
-        self.decision_timeout = cfg.decision_timeout
-        self.poll_s = cfg.poll_s
-        self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
+        self.decision_timeout, self.poll_s, self.idle_poll_s = cfg.decision_timeout, cfg.poll_s, max(
+            cfg.idle_poll_s, cfg.poll_s)
         self._parts: dict[int, Parts] = {}
         self._old_lock = threading.Lock()  # the cache of old bits read through a loader, by version held
         self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
@@ -124,9 +123,24 @@ class Follower:
         self.early_sealed_only = cfg.early == "sealed"
         self.register_every_s = cfg.register_every_s
         self.fetch_lanes = cfg.fetch_lanes
-        self._registered_at = time.monotonic()
-        if self.receiver_id:
-            commit.register(store, self.receiver_id, version)
+        self._registered_at, self._heartbeat_failed = -float("inf"), False
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Refresh the registration when due, applied or idle: gc keeps what a receiver seen
+        within live_s holds (idle past it, one lost its chain in the chaos soak). A refused
+        write is retried at the next poll: no reason to stop serving."""
+        if not self.receiver_id or time.monotonic() - self._registered_at < self.register_every_s:
+            return
+        try:
+            commit.register(self.store, self.receiver_id, self.version)
+        except StoreError as exc:
+            if not self._heartbeat_failed:
+                print(f"nemo-dcr receiver: could not register {self.receiver_id!r} ({exc}); retrying",
+                      file=sys.stderr, flush=True)
+            self._heartbeat_failed = True
+            return
+        self._registered_at, self._heartbeat_failed = time.monotonic(), False
 
     # ------------------------------------------------------------ checks
     def _check_held(self) -> None:
@@ -330,9 +344,7 @@ class Follower:
         self.version = v
         self._old_cache = (-1, {})
         self._parts.pop(v, None)
-        if self.receiver_id and time.monotonic() - self._registered_at >= self.register_every_s:
-            commit.register(self.store, self.receiver_id, v)
-            self._registered_at = time.monotonic()
+        self.heartbeat()
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
                        rec["bytes"], fetch_s, time.perf_counter() - t1, wait_s, checked,
                        len({d.header.name for d in decoded} & self.unchecked))
@@ -379,6 +391,7 @@ class Follower:
         # this poll's news, so after an apply in the loop below nothing is news any more
         told, self._news = self._news, None
         news = told
+        self.heartbeat()
         while True:
             if until is not None and self.version >= until:
                 return out

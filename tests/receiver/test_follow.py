@@ -18,6 +18,8 @@ import torch
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.keys import RECEIVERS
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.testing.tensor_sender import TensorSender
 from nemo_dcr_callback.transport.store import FileStore, open_store
@@ -329,3 +331,36 @@ def test_a_follower_does_not_look_at_an_aborted_version_twice(tmp_path):
 
 def same_tensors(a, b) -> bool:
     return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
+
+
+class _RefusesRegistrations(FileStore):
+    """A real file store whose registration writes fail while `down` (an S3 answering 500 to
+    a put, as in the chaos soak): fault injection, everything else is the store's own."""
+
+    down = True
+
+    def put(self, key, data, *args, **kwargs):
+        if self.down and key.startswith(RECEIVERS):
+            raise StoreError(f"put {key}: injected HTTP 500")
+        return super().put(key, data, *args, **kwargs)
+
+
+def test_an_idle_receiver_stays_registered_and_a_refused_heartbeat_is_retried(tmp_path):
+    """Found by the chaos soak: the registration was refreshed only after an apply, so a
+    receiver idle past gc's live_s (the trainer down, versions aborting) lost its claim and gc
+    collected the versions it needed; and a registration the store refused at start (a vLLM
+    engine's attach) ended the receiver."""
+    store = _RefusesRegistrations(tmp_path)
+    states = versions.chain(store, steps=1)
+    tensors = {k: t.clone() for k, t in states[0].items()}
+    f = Follower(store, tensors, receiver_id="rx", register_every_s=0.2)  # refused: no error
+    assert commit.receivers(store) == {}
+    store.down = False
+    assert [a.version for a in f.poll()] == [1]  # the refused write is retried: registered
+    first = commit.receivers(store)["rx"]
+    for _ in range(2):
+        time.sleep(0.3)
+        assert f.poll() == []  # idle
+        again = commit.receivers(store)["rx"]
+        assert again["time"] > first["time"] and again["version"] == 1  # refreshed without an apply
+        first = again

@@ -21,6 +21,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="needs vLLM (make test-vllm builds .venv-vllm)")
 
 from nemo_dcr_callback.integrations.vllm_serve import rpc  # noqa: E402
+from nemo_dcr_callback.protocol import commit  # noqa: E402
 from tests.helpers import versions  # noqa: E402
 from tests.helpers.vllm_engines import dense_versions, start_engine, stop_engine  # noqa: E402
 
@@ -75,12 +76,18 @@ def test_receive_vllm_serves_and_follows(tmp_path):
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "nemo_dcr_callback.cli", "receive", "--store", store.url, "--vllm", str(dirs[0]),
-         "--port", str(port), "--json", "--idle-poll-ms", "200",
+         "--port", str(port), "--json", "--idle-poll-ms", "200", "--id", "rx-vllm",
          "--vllm-args", "--skip-tokenizer-init --dtype bfloat16 --enforce-eager --max-model-len 128 "
                         "--gpu-memory-utilization 0.1 --seed 0"],
         stdout=subprocess.PIPE, text=True)
     try:
         q = _events(proc)
+        # registered before the engine is up (it starts for minutes with a large model, and gc
+        # keeps only what registered receivers hold: the chaos soak lost an engine's chain so)
+        deadline = time.monotonic() + 60
+        while "rx-vllm" not in commit.receivers(store) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert q.empty() and commit.receivers(store)["rx-vllm"]["version"] == 0
         assert _next(q, proc, "ready", 600)["version"] == 0
         for v in (1, 2):
             versions.publish(store, v, v - 1, states[v - 1], states[v])
