@@ -195,19 +195,28 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from Linux's /proc (None once
+    it is gone, or elsewhere); the start time tells a process from a later one with its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2:].split()  # (the name in parentheses may hold spaces)
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below pid (Linux's /proc; elsewhere none)."""
     children: dict[int, list[int]] = {}
     try:
-        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+        entries = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
         return []
     for d in entries:
-        try:
-            stat = open(f"/proc/{d}/stat").read()
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
+        if (st := proc_stat(d)) is not None:
+            children.setdefault(st[0], []).append(d)
     out, stack = [], [pid]
     while stack:
         for c in children.get(stack.pop(), []):

@@ -24,6 +24,7 @@ import json
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, replace
 
 import torch
@@ -40,6 +41,8 @@ from nemo_dcr_callback.sender.worker import DECISION_MAX_POLL_S, DECISION_POLL_S
 from nemo_dcr_callback.transport.store import open_store
 
 __all__ = ["DECISION_MAX_POLL_S", "DECISION_POLL_S", "PublishStats", "Publisher", "PublisherConfig"]
+
+STATS_KEPT = 10_000  # versions whose figures a Publisher keeps (history, aborted; stats/ at close)
 
 
 class Publisher:
@@ -87,8 +90,9 @@ class Publisher:
         # restart (the chaos soak: 250 versions).
         self._agreeing = self.world > 1 and dist.is_initialized() and dist.get_world_size() == self.world
         self._deferred: set[int] = set()  # aborts reported here, not yet acted on (ranks != 0)
-        self.history: list[PublishStats] = []  # committed versions
-        self.aborted: list[PublishStats] = []
+        # the newest STATS_KEPT versions' figures (committed; aborted): a run publishes for days
+        self.history: deque[PublishStats] = deque(maxlen=STATS_KEPT)
+        self.aborted: deque[PublishStats] = deque(maxlen=STATS_KEPT)
         self._process = cfg.worker == "process"
         self._shm = ShmPool() if self._process else None
         self._arena = Arena(self.sender) if self._process and Arena.usable(self.sender) else None
@@ -159,7 +163,7 @@ class Publisher:
         else:
             payload = pack(self._index, taken, self._shm, version)
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
-        while (len(self._failed) + len(self._deferred) < len(self._inflight)
+        while (self._undecided()
                and self._pending + size > self.max_pending):  # back-pressure
             self._drain(block=True, timeout=1.0, defer_aborts=self._agreeing and self.rank != 0)
         self._raise()
@@ -248,7 +252,7 @@ class Publisher:
         version (its undo is dropped); an abort restores the baselines to the last committed version
         (the next version then carries the aborted changes too: XOR deltas compose); a
         failure is kept until _raise."""
-        while len(self._failed) + len(self._deferred) < len(self._inflight):
+        while self._undecided():
             try:
                 msg: Report = self._results.get(block=block, timeout=timeout)
             except queue.Empty:
@@ -278,13 +282,18 @@ class Publisher:
                 self._failed.add(version)
                 self._error = self._error or f"version {version}: {msg.message}"
 
+    def _undecided(self) -> bool:
+        """Are versions in flight that this rank has no outcome for yet? (A failed one is
+        done; an abort deferred until rank 0 confirms it (_agree) is known.)"""
+        return len(self._failed) + len(self._deferred) < len(self._inflight)
+
     def _raise(self) -> None:
         """After a failure: wait for every in-flight version's report (all later ones fail
         too), undo their deltas newest first, so the baselines are back at the last committed
         version, and let the worker take jobs again."""
         if self._error is None:
             return
-        while len(self._failed) + len(self._deferred) < len(self._inflight):
+        while self._undecided():
             self._drain(block=True, timeout=1.0)
         if self._inflight:
             self._roll_back(min(self._inflight))

@@ -17,23 +17,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_dcr_callback.launcher import descendants
+from nemo_dcr_callback.launcher import descendants, proc_stat
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()
-        return int(fields[1]), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def rss(pids) -> int:
@@ -102,9 +92,9 @@ class Proc:
         known = dict(self.known)  # (threads call this: the watch's RSS sampler, the supervisor, faults)
         if self.popen is not None:
             for pid in [self.popen.pid, *descendants(self.popen.pid)]:
-                if (st := _stat(pid)) is not None:
+                if (st := proc_stat(pid)) is not None:
                     known[pid] = st[1]
-        self.known = {pid: t for pid, t in known.items() if (st := _stat(pid)) is not None and st[1] == t}
+        self.known = {pid: t for pid, t in known.items() if (st := proc_stat(pid)) is not None and st[1] == t}
         return list(self.known)
 
     def signal(self, sig: int) -> None:
