@@ -62,7 +62,8 @@ def _free_base(n: int, lo: int = 20000, hi: int = 29000) -> int:
 
 class SeaweedS3:
     def __init__(self, data_dir: str | os.PathLike, *, ip: str = "127.0.0.1", base_port: int | None = None,
-                 access_key: str | None = None, secret_key: str | None = None, bucket: str = "nemo-dcr"):
+                 access_key: str | None = None, secret_key: str | None = None, bucket: str = "nemo-dcr",
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None):
         self.dir = Path(data_dir)
         self.ip = ip
         self.base = base_port
@@ -71,6 +72,8 @@ class SeaweedS3:
         self.bucket = bucket
         self.proc: subprocess.Popen | None = None
         self.log = None
+        # more `weed mini` flags and environment (a long run bounds weed's memory with them)
+        self.extra, self.extra_env = list(extra_args or []), dict(env or {})
 
     @property
     def endpoint(self) -> str:
@@ -98,10 +101,11 @@ class SeaweedS3:
         cfg.chmod(0o600)
         args = [weed_binary(), "mini", f"-dir={self.dir / 'data'}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 "-master.telemetry=false", "-admin.ui=false", "-webdav=false", f"-s3.config={cfg}",
-                *[f"-{name}={self.base + i}" for i, name in enumerate(_PORTS)]]
+                *[f"-{name}={self.base + i}" for i, name in enumerate(_PORTS)], *self.extra]
         self.log = open(self.dir / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **self.extra_env} if self.extra_env
+                                     else None)
         deadline = time.monotonic() + timeout
         try:  # whatever ends the wait (a stop signal's exception included), weed does not outlive it
             while True:

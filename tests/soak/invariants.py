@@ -8,7 +8,9 @@
 3. every receiver holds the newest committed version within `converge_s` of the faults stopping;
 4. no trainer step waits longer than the ack timeout (plus slack) because of a receiver or a
    relay: gaps are excused only while the trainer itself or S3 is under a fault;
-5. RSS of every long-lived process grows at most 10% after warm-up, and the store's bytes stay
+5. RSS of every long-lived process grows at most 10% after warm-up (its first minute or first
+   quarter of its life, whichever is longer; the S3 server, whose caches
+   fill to their configured sizes: under a ceiling), and the store's bytes stay
    below 2 keyframes + (keyframe_every + 2 gc intervals + 20) versions (export and delta)."""
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ from nemo_dcr_callback.protocol import commit
 from tests.soak.oracle import DenseOracle
 
 RSS_GROWTH = 0.10
+# warm-up: the first minute of a process's life, or its first quarter if longer (on the busy
+# 2 cores a restarted trainer took ~2 minutes to reach its working set: measured from its
+# first minute, the start-up looked like 29% growth)
 RSS_WARMUP_S = 60.0
+RSS_WARMUP_SHARE = 0.25
 RSS_MIN_LIFE_S = 180.0
+# SeaweedFS (the store, not the product) fills its read cache and Go heap to their configured
+# sizes (run.S3_ARGS, S3_ENV): its bound is a ceiling. Measured with a put/get/delete churn:
+# default flags, 113 -> 585 MB in 100 s, then flat; the soak's long runs grew 430 -> 546 MB.
+S3_RSS_CEILING_MB = 640.0
 STALL_SLACK_S = 10.0
 RECEIVERS = ("rx-hf", "rx-s3", "rx-dir", "rx-fp8")
 # the receivers a fault on each part reaches (the rest: all of them)
@@ -384,8 +394,13 @@ class Watch(DenseOracle):
                        "peak_mb": round(max(b for _, b in s) / 2**20, 1),
                        "curve_mb": [[round(t - self.t0, 1), round(b / 2**20, 1)]
                                     for t, b in s[:: max(1, len(s) // 40)]]}
-                if life >= RSS_MIN_LIFE_S:
-                    warm = [b for t, b in s if inst["t0"] + RSS_WARMUP_S <= t <= inst["t0"] + RSS_WARMUP_S + 30]
+                if name == "s3":
+                    row["ceiling_mb"] = S3_RSS_CEILING_MB
+                    if row["peak_mb"] > S3_RSS_CEILING_MB:
+                        self.violate(f"s3: RSS {row['peak_mb']:.0f} MB over its ceiling of {S3_RSS_CEILING_MB:.0f} MB")
+                elif life >= RSS_MIN_LIFE_S:
+                    w0 = inst["t0"] + max(RSS_WARMUP_S, RSS_WARMUP_SHARE * life)
+                    warm = [b for t, b in s if w0 <= t <= w0 + 30]
                     tail = [b for _, b in s[-max(3, len(s) // 10):]]
                     if warm:
                         g = statistics.median(tail) / statistics.median(warm) - 1.0

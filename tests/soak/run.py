@@ -59,7 +59,14 @@ TRAIN_OVERRIDES = [
     "model.vocab_size=256", "model.seq_length=16", "optimizer.lr=1e-3", "trainer.max_steps=1000000",
     "dcr.commit_policy=quorum", "dcr.quorum=0.5", "dcr.seal_timeout=30", "dcr.part_bytes=16384",
     "dcr.export_every=1",
+    # back-pressure: the trainer (a step every 0.6 s) outpaces five receivers on 2 cores; with
+    # the default 1 GiB of undo log in flight, the decisions fell ~300 versions behind, the
+    # trainer's RSS grew 29% with the queue, and one no-quorum abort aborted all of them
+    "dcr.max_pending_bytes=8388608",
 ]
+# the store's memory, bounded (invariants.S3_RSS_CEILING_MB): its read cache and Go heap
+S3_ARGS = ["-s3.cacheCapacityMB=64"]
+S3_ENV = {"GOMEMLIMIT": "384MiB"}
 
 
 class Soak:
@@ -98,7 +105,7 @@ class Soak:
         from tests.faults.faultproxy import FaultProxy
 
         c = self.cfg
-        self.s3 = SeaweedS3(self.dir / "s3").start()
+        self.s3 = SeaweedS3(self.dir / "s3", extra_args=S3_ARGS, env=S3_ENV).start()
         self.proxy = FaultProxy(self.s3.endpoint).start()
         self.url = f"s3://{self.s3.bucket}/{PREFIX}?endpoint={self.proxy.endpoint}"
         p_root, p_region = free_port(), free_port()
