@@ -28,11 +28,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from nemo_dcr_callback.config import FollowerConfig
 from nemo_dcr_callback.launcher import is_loopback
 from nemo_dcr_callback.protocol import commit
-from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver.main import _emit
 from nemo_dcr_callback.transport.store import open_store
 
@@ -83,29 +84,19 @@ def rpc(base: str, method: str, **kwargs) -> list:
         "results"]
 
 
-class _Registration:
+def _keep_registered(store_url: str, receiver_id: str | None, version: int) -> Callable[[], None]:
     """The receiver's registration while the engine starts (minutes for a large model): gc
     keeps what a registered receiver holds, and an engine that registered only once it was up
-    found the versions after its checkpoint collected (the chaos soak). Best effort: the
-    follower registers again once attached."""
-
-    def __init__(self, store_url: str, receiver_id: str | None, version: int, every_s: float = 30.0):
-        self.store, self.rid, self.version, self.every_s, self.at = None, receiver_id, version, every_s, -1e18
-        if receiver_id:
-            self.store = open_store(store_url)
-        self.beat()
-
-    def beat(self) -> None:
-        if self.store is None or time.monotonic() - self.at < self.every_s:
-            return
-        try:
-            commit.register(self.store, self.rid, self.version)
-            self.at = time.monotonic()
-        except StoreError as exc:
-            print(f"nemo-dcr receive: could not register {self.rid!r} ({exc}); retrying", file=sys.stderr, flush=True)
+    found the versions after its checkpoint collected (the chaos soak). The follower takes
+    over once attached. Returns the beat to call while waiting."""
+    if not receiver_id:
+        return lambda: None
+    heart = commit.Heartbeat(open_store(store_url), receiver_id, FollowerConfig.register_every_s)
+    heart.beat(version)
+    return lambda: heart.beat(version)
 
 
-def _attach(base: str, proc: subprocess.Popen, reg: _Registration, deadline: float, **kwargs) -> None:
+def _attach(base: str, proc: subprocess.Popen, beat: Callable[[], None], deadline: float, **kwargs) -> None:
     """dcr_attach, again while the store fails it (a throttled or restarting store must not
     end a receiver that took minutes to start) until the start-up deadline."""
     said = False
@@ -119,11 +110,11 @@ def _attach(base: str, proc: subprocess.Popen, reg: _Registration, deadline: flo
             if not said:
                 print(f"nemo-dcr receive: attach: {exc}; retrying", file=sys.stderr, flush=True)
                 said = True
-        reg.beat()
+        beat()
         time.sleep(1.0)
 
 
-def _wait_up(base: str, proc: subprocess.Popen, timeout: float, beat=lambda: None) -> None:
+def _wait_up(base: str, proc: subprocess.Popen, timeout: float, beat: Callable[[], None] = lambda: None) -> None:
     deadline = time.monotonic() + timeout
     while True:
         beat()
@@ -157,7 +148,7 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
            *(vllm_args or [])]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{STORE_ENV: store_url,
                                                         SERVED_DIR_ENV: str(Path(model_dir).resolve())})
-    reg = _Registration(store_url, receiver_id, version)
+    beat = _keep_registered(store_url, receiver_id, version)
     deadline = time.monotonic() + startup_timeout
     proc = subprocess.Popen(cmd, env=env)
 
@@ -166,8 +157,8 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
 
     old = signal.signal(signal.SIGTERM, stop)
     try:
-        _wait_up(base, proc, startup_timeout, reg.beat)
-        _attach(base, proc, reg, deadline, store_url=store_url, receiver_id=receiver_id or "", version=version)
+        _wait_up(base, proc, startup_timeout, beat)
+        _attach(base, proc, beat, deadline, store_url=store_url, receiver_id=receiver_id or "", version=version)
         _emit(json_lines, f"receiver: vllm serve at {base} holds version {version}, following {store_url}",
              event="ready", url=base, version=version)
         held, said = version, None

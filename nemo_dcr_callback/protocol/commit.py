@@ -45,7 +45,7 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
     check,
     dump,
 )
-from nemo_dcr_callback.protocol.store import backoff, wait_change, wait_news
+from nemo_dcr_callback.protocol.store import StoreError, backoff, wait_change, wait_news
 
 
 def read_json(store, key: str, limit: int | None = None):
@@ -169,6 +169,30 @@ def register(store, receiver: str, version: int) -> None:
     """A receiver announces itself and the version it holds (and refreshes it after each apply)."""
     store.put(receiver_key(receiver), json.dumps(Registration(receiver=receiver, version=version,
                                                               time=time.time())).encode())
+
+
+class Heartbeat:
+    """A receiver's registration kept fresh: beat() rewrites it once every `every_s`, applied
+    or idle (gc keeps what a receiver seen within live_s holds: refreshed only after applies,
+    an idle one lost its chain in the chaos soak). A write the store refuses is retried at the
+    next beat, said once per run of failures: a missed heartbeat is no reason to stop serving."""
+
+    def __init__(self, store, receiver: str, every_s: float):
+        self.store, self.receiver, self.every_s = store, receiver, every_s
+        self._at, self._failing = -float("inf"), False
+
+    def beat(self, version: int) -> None:
+        if time.monotonic() - self._at < self.every_s:
+            return
+        try:
+            register(self.store, self.receiver, version)
+        except StoreError as exc:
+            if not self._failing:
+                print(f"nemo-dcr receiver: could not register {self.receiver!r} ({exc}); retrying",
+                      file=sys.stderr, flush=True)
+            self._failing = True
+            return
+        self._at, self._failing = time.monotonic(), False
 
 
 def receivers(store, live_s: float | None = None) -> dict[str, Registration]:

@@ -73,8 +73,9 @@ class Follower:
         self.tensors = target if isinstance(target, dict) else None
         self.version = version
         self.receiver_id = cfg.receiver_id
-        self.decision_timeout, self.poll_s, self.idle_poll_s = cfg.decision_timeout, cfg.poll_s, max(
-            cfg.idle_poll_s, cfg.poll_s)
+        self.decision_timeout = cfg.decision_timeout
+        self.poll_s = cfg.poll_s
+        self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
         self._parts: dict[int, Parts] = {}
         self._old_lock = threading.Lock()  # the cache of old bits read through a loader, by version held
         self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
@@ -121,26 +122,14 @@ class Follower:
         self.early = bool(cfg.early) and self.journal is None and self.digests is not None and isinstance(
             self.target, StateDictTarget)
         self.early_sealed_only = cfg.early == "sealed"
-        self.register_every_s = cfg.register_every_s
         self.fetch_lanes = cfg.fetch_lanes
-        self._registered_at, self._heartbeat_failed = -float("inf"), False
+        self._heart = commit.Heartbeat(store, self.receiver_id, cfg.register_every_s) if self.receiver_id else None
         self.heartbeat()
 
     def heartbeat(self) -> None:
-        """Refresh the registration when due, applied or idle: gc keeps what a receiver seen
-        within live_s holds (idle past it, one lost its chain in the chaos soak). A refused
-        write is retried at the next poll: no reason to stop serving."""
-        if not self.receiver_id or time.monotonic() - self._registered_at < self.register_every_s:
-            return
-        try:
-            commit.register(self.store, self.receiver_id, self.version)
-        except StoreError as exc:
-            if not self._heartbeat_failed:
-                print(f"nemo-dcr receiver: could not register {self.receiver_id!r} ({exc}); retrying",
-                      file=sys.stderr, flush=True)
-            self._heartbeat_failed = True
-            return
-        self._registered_at, self._heartbeat_failed = time.monotonic(), False
+        """The registration refreshed when due (commit.Heartbeat: every poll and apply)."""
+        if self._heart is not None:
+            self._heart.beat(self.version)
 
     # ------------------------------------------------------------ checks
     def _check_held(self) -> None:
