@@ -572,7 +572,7 @@ int64_t gaps16_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo,
 
 extern "C" {
 
-int dcr_abi_version() { return 1; }
+int dcr_abi_version() { return 2; }
 
 // The SIMD path the run-time dispatch picks for the hot loops (the BF16 delta pass, the encoder):
 // 2 AVX-512, 1 AVX2, 0 portable scalar code. The same CPU checks and environment switches as
@@ -916,6 +916,45 @@ static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, i
 }
 #endif
 
+// Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
+// to the range) its rank among the positions of its OLD class, the class being cls_map[old
+// exponent], read from the range's bits `cur` (the new ones: the sender's baseline) and the
+// classes of the changed positions (cold: of the old value, cnew: of the new one).
+// class_counts gets each old class's population. Returns 0, or -1 if the positions are not
+// increasing inside [0, n) or a new class disagrees with cur. Arguments unchecked: the
+// fused encoder (dcr_ctx_encode) makes the classes itself.
+static int64_t ctx_ranks_walk(const void* cur, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map,
+                              int k, const int64_t* pos, const uint8_t* cold, const uint8_t* cnew, int64_t count,
+                              int64_t* ranks, int64_t* class_counts) {
+  if (count && (pos[0] < 0 || pos[count - 1] >= n)) return -1;
+  RankWalk w;
+  w.pos = pos;
+  w.cold = cold;
+  w.cnew = cnew;
+  w.count = count;
+  w.ranks = ranks;
+  uint8_t map256[256] = {0};
+  std::memcpy(map256, cls_map, size_t{1} << nbits);
+  const uint32_t mask = (1u << nbits) - 1;
+  auto walk = [&](const auto* v) -> bool {
+    int64_t done = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+    if (!std::getenv("NEMO_DCR_NO_AVX512")) {
+      done = rank_simd(w, k, v, n, shift, nbits, map256);
+      if (done < 0) return false;
+    }
+#endif
+    if (w.j < count && w.j > 0 && pos[w.j] <= pos[w.j - 1]) return false;
+    for (int64_t j = w.j + 1; j < count; ++j)
+      if (pos[j] <= pos[j - 1]) return false;
+    return rank_scalar(w, v, done, n, shift, mask, map256);
+  };
+  const bool ok = width == 2 ? walk(static_cast<const uint16_t*>(cur)) : walk(static_cast<const uint32_t*>(cur));
+  if (!ok || w.j != count) return -1;
+  for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + w.corr[c];
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -948,49 +987,6 @@ int64_t dcr_ctx_values(const int64_t* src, int64_t count, const uint8_t* toks, c
     return -100;
   }
   return ok && e == n_esc ? 0 : -1;
-}
-
-// Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
-// to the range) its rank among the positions of its OLD class, the class being cls_map[old
-// exponent], read from the range's NEW bits `cur` and the classes the caller gives for the
-// changed positions (cold: of the old value, cnew: of the new one). class_counts gets each old
-// class's population. Returns 0; -1 if the positions are not increasing inside [0, n) or a
-// new class disagrees with cur; -100 on bad arguments.
-int64_t dcr_ctx_ranks(const void* cur, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map, int k,
-                      const int64_t* pos, const uint8_t* cold, const uint8_t* cnew, int64_t count, int64_t* ranks,
-                      int64_t* class_counts) {
-  if (k < 1 || k > 16 || (width != 2 && width != 4) || nbits < 1 || nbits > 8) return -100;
-  if (count && (pos[0] < 0 || pos[count - 1] >= n)) return -1;
-  for (int64_t j = 0; j < count; ++j)
-    if (cold[j] >= k || cnew[j] >= k) return -100;
-  RankWalk w;
-  w.pos = pos;
-  w.cold = cold;
-  w.cnew = cnew;
-  w.count = count;
-  w.ranks = ranks;
-  uint8_t map256[256] = {0};
-  std::memcpy(map256, cls_map, size_t{1} << nbits);
-  for (int e = 0; e < (1 << nbits); ++e)
-    if (map256[e] >= k) return -100;
-  const uint32_t mask = (1u << nbits) - 1;
-  auto walk = [&](const auto* v) -> bool {
-    int64_t done = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
-    if (!std::getenv("NEMO_DCR_NO_AVX512")) {
-      done = rank_simd(w, k, v, n, shift, nbits, map256);
-      if (done < 0) return false;
-    }
-#endif
-    if (w.j < count && w.j > 0 && pos[w.j] <= pos[w.j - 1]) return false;
-    for (int64_t j = w.j + 1; j < count; ++j)
-      if (pos[j] <= pos[j - 1]) return false;
-    return rank_scalar(w, v, done, n, shift, mask, map256);
-  };
-  const bool ok = width == 2 ? walk(static_cast<const uint16_t*>(cur)) : walk(static_cast<const uint32_t*>(cur));
-  if (!ok || w.j != count) return -1;
-  for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + w.corr[c];
-  return 0;
 }
 
 // Exponent histogram of a sample of v: `block` elements every `every` (the sender chooses its
@@ -1725,4 +1721,225 @@ extern "C" int64_t dcr_encode_slice(const void* pos, int pos64, int64_t count, i
         ans_cap, static_cast<T*>(esc), esc_cap, rec, rec_cap));
   }
   return -9;
+}
+
+// ---------------------------------------------------------------- fused context encoder
+// codec/encode.py _ctx_streams in one call: the sampled exponent counts, the class choice
+// (codec/context.py choose_classes: the same cuts, candidates and estimate), the walk for
+// each change's rank in its old class, a counting sort by class, and per class its GAP8
+// stream and both rANS streams. The numpy version spent most of its time in per-chunk
+// array work around the walk, not in it (docs/PERFORMANCE.md). Zstd of the class map, of
+// the escapes and of a gap stream that rANS does not shrink stays with the caller.
+namespace {
+
+constexpr int kCtxCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16};
+constexpr int kNCand = 8;
+
+// -sum h log2(h / total) over a histogram's nonzero bins, in bits (context.py _rows_bits).
+template <class H>
+static double hist_bits(const H* h, int m) {
+  double tot = 0, acc = 0;
+  for (int s = 0; s < m; ++s) tot += static_cast<double>(h[s]);
+  if (tot <= 0) return 0;
+  for (int s = 0; s < m; ++s)
+    if (h[s] > 0) acc += static_cast<double>(h[s]) * std::log2(static_cast<double>(h[s]) / tot);
+  return -acc;
+}
+
+// choose_classes: n per exponent (estimated), c changes per exponent, th token histograms of
+// the exponents that changed (row[e] >= 0 names th's row). Writes each exponent's class.
+static void ctx_choose(const double* n_in, const int64_t* c, const uint32_t* th, const int* row, int size,
+                       uint8_t* out, double& est, double& one) {
+  int present[256], np_ = 0;
+  double logit[256], n[256];
+  for (int e = 0; e < size; ++e) {
+    n[e] = std::max(n_in[e], static_cast<double>(c[e]));
+    out[e] = 0;
+    if (n[e] > 0) present[np_++] = e;
+  }
+  est = one = 0;
+  if (!np_) return;
+  double lo = 0, hi = 0;
+  for (int i = 0; i < np_; ++i) {
+    const int e = present[i];
+    logit[i] = std::log2((c[e] + 0.5) / (n[e] - c[e] + 0.5));
+    if (i == 0 || logit[i] < lo) lo = logit[i];
+    if (i == 0 || logit[i] > hi) hi = logit[i];
+  }
+  double best_cost = 0;
+  int best = -1;
+  uint8_t cls[kNCand][256];
+  for (int ci = 0; ci < kNCand; ++ci) {
+    const int kc = kCtxCandidates[ci];
+    int raw[256];
+    bool used[16] = {false};
+    for (int i = 0; i < np_; ++i) {
+      raw[i] = hi - lo < 1e-9 ? 0 : std::min(static_cast<int>((logit[i] - lo) / (hi - lo) * kc), kc - 1);
+      used[raw[i]] = true;
+    }
+    int dense[16], kk = 0;
+    for (int j = 0; j < 16; ++j) dense[j] = used[j] ? kk++ : -1;
+    double nk[16] = {0}, ck[16] = {0}, tk[16][256];
+    std::memset(tk, 0, sizeof(double) * 256 * kk);
+    for (int i = 0; i < np_; ++i) {
+      const int e = present[i], j = dense[raw[i]];
+      cls[ci][i] = static_cast<uint8_t>(j);
+      nk[j] += n[e];
+      ck[j] += static_cast<double>(c[e]);
+      if (row[e] >= 0) {
+        const uint32_t* t = th + 256 * static_cast<int64_t>(row[e]);
+        for (int s = 0; s < 256; ++s) tk[j][s] += t[s];
+      }
+    }
+    double cost = 0;
+    for (int j = 0; j < kk; ++j) {
+      const double pc[2] = {ck[j], nk[j] - ck[j]};
+      int nz = 0;
+      for (int s = 0; s < 256; ++s) nz += tk[j][s] > 0;
+      cost += hist_bits(pc, 2) + hist_bits(tk[j], 256) + 8.0 * (2 * 64 + 2 * 40 + 2 * nz);
+    }
+    if (ci == 0) one = cost;
+    if (best < 0 || cost < best_cost) {
+      best_cost = cost;
+      best = ci;
+    }
+  }
+  est = best_cost;
+  for (int i = 0; i < np_; ++i) out[present[i]] = cls[best][i];
+}
+
+template <class T, class I>
+static void ctx_exps(const I* pos, const T* vals, const T* newv, int64_t count, int64_t lo, int shift, uint32_t mask,
+                     int64_t* rel, uint8_t* e_old, uint8_t* e_new) {
+  for (int64_t j = 0; j < count; ++j) {
+    rel[j] = static_cast<int64_t>(pos[j]) - lo;
+    e_old[j] = static_cast<uint8_t>((static_cast<uint32_t>(newv[j] ^ vals[j]) >> shift) & mask);
+    e_new[j] = static_cast<uint8_t>((static_cast<uint32_t>(newv[j]) >> shift) & mask);
+  }
+}
+
+}  // namespace
+
+// The context coding of one XOR chunk's changes. cur: the range's n bits, the old ones
+// (is_old) or the current ones (old except at the changes, where old = new ^ xor); pos:
+// the changes' absolute positions in [lo, lo + n), increasing; tok: their value tokens.
+// Builds the streams only where the estimate is at most min_gain x one class's. Writes
+// cls_map (2^nbits), est[0..1] (the estimate, one class's), and into out per class its GAP8
+// bytes, their rANS coding (where smaller), its token stream; meta[0] = classes, then per
+// class 4 values: GAP8 bytes, rANS bytes (0: none), tokens, token bytes stored (rANS-coded
+// where smaller than the tokens, else the tokens). The caller weighs the gaps' rANS against
+// zstd: rANS's table costs more than zstd's on a short stream. Returns 0 (coded), 1 (not
+// worth it), -1 (positions out of order or outside the range, or bits that disagree with
+// the new values), -2 (no room in out), -100 (bad arguments).
+extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shift, int nbits, int is_old,
+                                  const void* pos, int pos64, int64_t count, int64_t lo, const void* vals,
+                                  const void* newv, const uint8_t* tok, double min_gain, int64_t block,
+                                  int64_t every, uint8_t* cls_map, double* est, uint8_t* out, int64_t cap,
+                                  int64_t* meta) {
+  if ((width != 2 && width != 4) || nbits < 1 || nbits > 8 || count < 1 || n < 1) return -100;
+  const int size = 1 << nbits;
+  const uint32_t mask = static_cast<uint32_t>(size - 1);
+  thread_local std::vector<int64_t> rel, ranks, sranks;
+  thread_local std::vector<uint8_t> e_old, e_new, cold, cnew, stok, gbuf;
+  thread_local std::vector<uint32_t> th;
+  rel.resize(count);
+  ranks.resize(count);
+  sranks.resize(count);
+  e_old.resize(count);
+  e_new.resize(count);
+  cold.resize(count);
+  cnew.resize(count);
+  stok.resize(count);
+  auto exps = [&](const auto* v, const auto* nv) {
+    if (pos64) {
+      ctx_exps(static_cast<const int64_t*>(pos), v, nv, count, lo, shift, mask, rel.data(), e_old.data(), e_new.data());
+    } else {
+      ctx_exps(static_cast<const int32_t*>(pos), v, nv, count, lo, shift, mask, rel.data(), e_old.data(), e_new.data());
+    }
+  };
+  if (width == 2) {
+    exps(static_cast<const uint16_t*>(vals), static_cast<const uint16_t*>(newv));
+  } else {
+    exps(static_cast<const uint32_t*>(vals), static_cast<const uint32_t*>(newv));
+  }
+  // Positions per exponent (from a sample of the walked bits, moved to the old bits' counts
+  // where those are the current ones), changes per exponent, and token histograms.
+  int64_t hist[256] = {0}, c[256] = {0}, c_new[256] = {0};
+  const int64_t seen = dcr_exp_hist(cur, n, width, shift, nbits, block, every, hist);
+  if (seen < 0) return -100;
+  int row[256], rows = 0;
+  for (int e = 0; e < size; ++e) row[e] = -1;
+  for (int64_t j = 0; j < count; ++j) {
+    ++c[e_old[j]];
+    ++c_new[e_new[j]];
+  }
+  for (int e = 0; e < size; ++e)
+    if (c[e]) row[e] = rows++;
+  th.assign(static_cast<size_t>(rows) * 256, 0);
+  for (int64_t j = 0; j < count; ++j) ++th[256 * static_cast<int64_t>(row[e_old[j]]) + tok[j]];
+  double nest[256];
+  const double scale = static_cast<double>(n) / static_cast<double>(std::max<int64_t>(seen, 1));
+  for (int e = 0; e < size; ++e) {
+    nest[e] = static_cast<double>(hist[e]) * scale;
+    if (!is_old) nest[e] += static_cast<double>(c[e] - c_new[e]);
+    nest[e] = std::max(nest[e], 0.0);
+  }
+  ctx_choose(nest, c, th.data(), row, size, cls_map, est[0], est[1]);
+  if (est[0] > min_gain * est[1]) return 1;
+  int k = 1;
+  for (int e = 0; e < size; ++e) k = std::max(k, cls_map[e] + 1);
+  for (int64_t j = 0; j < count; ++j) {
+    cold[j] = cls_map[e_old[j]];
+    cnew[j] = is_old ? cold[j] : cls_map[e_new[j]];
+  }
+  int64_t pops[16] = {0};
+  if (ctx_ranks_walk(cur, n, width, shift, nbits, cls_map, k, rel.data(), cold.data(), cnew.data(), count,
+                     ranks.data(), pops) != 0)
+    return -1;
+  // Counting sort by old class, each class in position order.
+  int64_t start[17] = {0};
+  for (int64_t j = 0; j < count; ++j) ++start[cold[j] + 1];
+  for (int j = 0; j < k; ++j) start[j + 1] += start[j];
+  int64_t at[16];
+  std::memcpy(at, start, sizeof(at));
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t d = at[cold[j]]++;
+    sranks[d] = ranks[j];
+    stok[d] = tok[j];
+  }
+  meta[0] = k;
+  int64_t o = 0;
+  for (int j = 0; j < k; ++j) {
+    const int64_t a = start[j], b = start[j + 1], m = b - a;
+    // GAP8 of the class's ranks; a rank never repeats or leaves [0, population)
+    gbuf.resize(static_cast<size_t>(m + pops[j] / 255 + 16));
+    int64_t g = 0, prev = -1;
+    for (int64_t i = a; i < b; ++i)
+      if (gap8_put(sranks[i], prev, pops[j], gbuf.data(), static_cast<int64_t>(gbuf.size()), g) != 0) return -1;
+    int64_t* mt = meta + 1 + 4 * j;
+    if (cap - o < g) return -2;
+    std::memcpy(out + o, gbuf.data(), g);
+    o += g;
+    mt[0] = g;
+    uint64_t h[256] = {0};
+    for (int64_t i = 0; i < g; ++i) ++h[gbuf[i]];
+    int64_t r = g ? ans_encode_with(h, g, [&](int64_t i) { return gbuf[i]; }, out + o, cap - o) : -1;
+    mt[1] = r >= 0 && r < g ? r : 0;
+    o += mt[1];
+    // the class's tokens, rANS-coded where smaller (encode.py _token_stream)
+    mt[2] = m;
+    std::memset(h, 0, sizeof(h));
+    for (int64_t i = a; i < b; ++i) ++h[stok[i]];
+    const uint8_t* ts = stok.data() + a;
+    r = m ? ans_encode_with(h, m, [&](int64_t i) { return ts[i]; }, out + o, cap - o) : -1;
+    if (r >= 0 && r < m) {
+      mt[3] = r;
+    } else {
+      if (cap - o < m) return -2;
+      std::memcpy(out + o, ts, m);
+      mt[3] = m;
+    }
+    o += mt[3];
+  }
+  return 0;
 }

@@ -97,6 +97,7 @@ def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dic
     for k in names:  # the oracle: the new BF16 weights themselves
         if not torch.equal(bits(targets[k]), bits(new[k])):
             raise AssertionError(f"round trip is not bit-exact for {k}")
+    ctx = _context_rates(names, deltas, old, new, targets, reset_targets, reps)
 
     return {
         "target_rate": rate, "change_rate": changed / n_params, "params": n_params, "changed": changed,
@@ -110,16 +111,45 @@ def bench_rate(policy: synthetic.SyntheticPolicy, rate: float, reps: int) -> dic
         "efficiency_vs_ulp_bound": (bound_u / 8) / sizes["codec"],
         "efficiency_xor_only_vs_xor_bound": (bound_x / 8) / sizes["codec_xor_only"],
         "seconds": {"kernel": t_kernel, "encode": t_encode, "decode": t_decode, "apply": t_apply,
-                    "memcpy": t_copy},
+                    "memcpy": t_copy, **{f"context_{s}": t for s, t in ctx["seconds"].items()}},
+        "context": {"bytes": ctx["bytes"], "ratio": dense / ctx["bytes"], "vs_plain": sizes["codec"] / ctx["bytes"],
+                    "coded_chunks": ctx["coded"], "chunks": ctx["chunks"]},
         "gbps_per_core": {
             "kernel_input": 2 * dense / t_kernel / 1e9,  # current + baseline bytes read
             "encode": dense / t_encode / 1e9,  # BF16 bytes covered per second
             "decode": dense / t_decode / 1e9,
             "apply": dense / t_apply / 1e9,
             "memcpy": dense / t_copy / 1e9,  # dense copy of the BF16 bytes, same run
+            # a sender's context coding (from its baseline, the new bits) and a receiver's
+            # decode + apply (from the old bits it holds), bytes covered per second
+            "context_encode": dense / ctx["seconds"]["encode"] / 1e9,
+            "context_decode_apply": dense / ctx["seconds"]["decode_apply"] / 1e9,
         },
         "bit_exact": True,
     }
+
+
+def _context_rates(names, deltas, old, new, targets, reset_targets, reps: int) -> dict:
+    """The context-modelled coding on the same deltas: encoded as a sender does (from its
+    baseline, the new bits), decoded and applied as a receiver does (from the old bits it
+    holds, in place), checked against the new weights."""
+    chunks: dict[str, list[bytes]] = {}
+    t_enc = _median_time(lambda: chunks.update(
+        {k: codec.encode_delta(k, deltas[k], current=new[k]) for k in names}), reps)
+
+    def decode_apply():
+        for k in names:
+            for c in chunks[k]:
+                codec.apply_decoded(codec.decode_chunk(c, old=lambda h, t=targets[k]: t), targets[k])
+
+    t_dec = _median_time(decode_apply, reps, reset_targets)
+    for k in names:
+        if not torch.equal(bits(targets[k]), bits(new[k])):
+            raise AssertionError(f"context round trip is not bit-exact for {k}")
+    flat = [c for k in names for c in chunks[k]]
+    coded = sum(1 for c in flat if codec.parse_header(c).classes)
+    return {"seconds": {"encode": t_enc, "decode_apply": t_dec}, "bytes": sum(map(len, flat)),
+            "coded": coded, "chunks": len(flat)}
 
 
 TARGETS = {"ratio_ulp": {0.01: 150, 0.03: 60, 0.05: 40}, "efficiency_vs_xor_bound": 0.95,
@@ -130,9 +160,10 @@ def format_table(results: list[dict]) -> str:
     rows = []
     head = (f"{'rate':>6} {'codec':>8} {'xor-only':>8} {'simple':>8} {'zstd(xor)':>9} {'bitmap':>8} "
             f"{'bound x':>8} {'bound u':>8} {'eff x':>6} {'pay x':>6} {'eff u':>6} {'kernel':>7} {'encode':>7} "
-            f"{'decode':>7} {'apply':>7} {'memcpy':>7}")
+            f"{'decode':>7} {'apply':>7} {'memcpy':>7} {'ctx':>6} {'ctx enc':>7} {'ctx d+a':>7}")
     rows.append("ratio vs dense BF16 (x); efficiency = bound / size (eff: whole chunks, headers included; "
-                "pay: payload only); GB/s per core (kernel: input bytes)")
+                "pay: payload only); GB/s per core (kernel: input bytes); ctx: context coding's ratio, its "
+                "encode (from the new bits) and decode + apply (from the old)")
     rows.append(head)
     for r in results:
         ra, g = r["ratio"], r["gbps_per_core"]
@@ -141,7 +172,8 @@ def format_table(results: list[dict]) -> str:
             f"{ra['dense_zstd']:9.1f} {ra['bitmap']:8.1f} {r['ratio_bound_xor']:8.1f} {r['ratio_bound_ulp']:8.1f} "
             f"{r['efficiency_vs_xor_bound']:6.3f} {r['efficiency_payload_vs_xor_bound']:6.3f} "
             f"{r['efficiency_vs_ulp_bound']:6.3f} {g['kernel_input']:7.2f} "
-            f"{g['encode']:7.2f} {g['decode']:7.2f} {g['apply']:7.2f} {g['memcpy']:7.2f}")
+            f"{g['encode']:7.2f} {g['decode']:7.2f} {g['apply']:7.2f} {g['memcpy']:7.2f} "
+            f"{r['context']['ratio']:6.1f} {g['context_encode']:7.2f} {g['context_decode_apply']:7.2f}")
     return "\n".join(rows)
 
 

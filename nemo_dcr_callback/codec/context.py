@@ -41,6 +41,11 @@ def supported(dtype_name: str) -> bool:
     return dtype_name in _EXPONENT
 
 
+def exponent_field(dtype_name: str) -> tuple[int, int]:
+    """(shift, bits) of a float dtype's exponent field."""
+    return _EXPONENT[dtype_name]
+
+
 def map_size(dtype_name: str) -> int:
     return 1 << _EXPONENT[dtype_name][1]
 
@@ -148,44 +153,6 @@ def sampled_counts(cur_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
         seen = idx.numel()
         counts = np.bincount(exponents(cur_bits.reshape(-1)[idx], dtype_name), minlength=size)[:size].astype(np.float64)
     return counts * (n / max(seen, 1))
-
-
-def ranks_from_current(cur_bits: torch.Tensor, p: np.ndarray, cls_old: np.ndarray, cls_new: np.ndarray,
-                       cls_map: np.ndarray, k: int, dtype_name: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """(rank of each changed position among its old class's positions, each old class's
-    population), walking the range's CURRENT bits (after the change: the sender's baseline)
-    and correcting at the changed positions p (relative, increasing), whose old and new
-    classes are given. None without the compiled kernels (the caller rebuilds the old bits)."""
-    lib = kernels.native()
-    if lib is None or not cur_bits.is_cpu or not cur_bits.is_contiguous():
-        return None
-    shift, nbits = _EXPONENT[dtype_name]
-    p = np.ascontiguousarray(p, dtype=np.int64)
-    co = np.ascontiguousarray(cls_old, dtype=np.uint8)
-    cn = np.ascontiguousarray(cls_new, dtype=np.uint8)
-    cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
-    ranks = np.empty(max(p.size, 1), dtype=np.int64)
-    pops = np.zeros(MAX_CLASSES, dtype=np.int64)
-    rc = lib.dcr_ctx_ranks(cur_bits.data_ptr(), cur_bits.numel(), cur_bits.element_size(), shift, nbits,
-                           cmap.ctypes.data, k, p.ctypes.data, co.ctypes.data, cn.ctypes.data, p.size,
-                           ranks.ctypes.data, pops.ctypes.data)
-    if rc != 0:
-        raise ValueError(f"context ranks: positions out of order or bits that disagree with the new values ({rc})")
-    return ranks[:p.size], pops[:k]
-
-
-def split_ranked(ranks: np.ndarray, pops: np.ndarray, cls_old: np.ndarray, tok: np.ndarray, k: int
-                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """split() from ranks already known: per class its GAP8 stream and its tokens."""
-    order = np.argsort(cls_old, kind="stable")  # a radix sort on bytes; keeps each class in position order
-    ends = np.cumsum(np.bincount(cls_old, minlength=k)[:k])
-    r, t = ranks[order], tok[order]
-    gaps, toks = [], []
-    for j in range(k):
-        a, b = (int(ends[j - 1]) if j else 0), int(ends[j])
-        gaps.append(encode_gaps(torch.from_numpy(r[a:b]), 0, int(pops[j]), GapMode.GAP8))
-        toks.append(t[a:b])
-    return gaps, toks
 
 
 def _class_order(cls_all: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,21 +11,14 @@ per parameter slice) that yields the same bytes as the generic path would.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
-import zstandard
 
-from nemo_dcr_callback.codec import context, digest
-from nemo_dcr_callback.codec.bounds import entropy_bits
+from nemo_dcr_callback.codec import context_encode, digest
 from nemo_dcr_callback.codec.format import (
     DEFAULT_CHUNK_SPAN,
     MAX_MEMBERS,
     MAX_NAME,
-    RANS,
-    STORED,
-    ZSTD,
     DType,
     Kind,
     Layout,
@@ -35,9 +28,9 @@ from nemo_dcr_callback.codec.format import (
     dtype_info,
     member_table,
 )
+from nemo_dcr_callback.codec.packing import pack_stream, ranked_modes, scratch, token_stream
 from nemo_dcr_callback.codec.streams import (
     GapMode,
-    ans_decode,
     ans_encode,
     encode_gaps,
     gap_bound,
@@ -47,28 +40,6 @@ from nemo_dcr_callback.codec.streams import (
 )
 from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.core.rawbits import SparseDelta, bits
-
-_tls = threading.local()
-
-
-def _zc(level: int) -> zstandard.ZstdCompressor:
-    """This thread's compressor for `level` (zstandard objects are not thread-safe)."""
-    cache = getattr(_tls, "zc", None)
-    if cache is None:
-        cache = _tls.zc = {}
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
-
-
-def _pack_stream(raw, level: int) -> tuple[bytes, int]:
-    """zstd a stream unless that does not make it smaller (then store it)."""
-    if len(raw) == 0:
-        return b"", STORED
-    comp = _zc(level).compress(raw)
-    if len(comp) < len(raw):
-        return comp, ZSTD
-    return bytes(raw), STORED
 
 
 def _value_streams(vals: torch.Tensor, vm: ValueMode, layout: Layout, new_values, level: int,
@@ -81,23 +52,12 @@ def _value_streams(vals: torch.Tensor, vm: ValueMode, layout: Layout, new_values
         out = []
         for b in range(vals.element_size()):
             plane = planes[b * count:(b + 1) * count]
-            packed, codec = _pack_stream(plane, level)
+            packed, codec = pack_stream(plane, level)
             out.append((plane.size, packed, codec))
         return out
     tok, esc, _ = tokens_done or tokens(vals, ulp, new_values)
-    epacked, ecodec = _pack_stream(esc, level)
-    return [_token_stream(tok, ans_encode(tok)), (esc.size, epacked, ecodec)]
-
-
-def _token_stream(tok: np.ndarray | None, coded: bytes, count: int | None = None) -> Stream:
-    """The token stream rANS-coded, or stored where that is smaller (a handful of changes:
-    the rANS table and states alone are 40-100 bytes)."""
-    count = tok.size if tok is not None else count
-    if len(coded) < count:
-        return (count, coded, RANS)
-    if tok is None:
-        tok = ans_decode(coded, count)
-    return (count, tok.tobytes(), STORED)
+    epacked, ecodec = pack_stream(esc, level)
+    return [token_stream(tok, ans_encode(tok)), (esc.size, epacked, ecodec)]
 
 
 # --------------------------------------------------------------------------- one chunk
@@ -154,18 +114,10 @@ def _best_gaps(positions: torch.Tensor | None, gap_cands: tuple[GapMode, ...], l
         if cand == GapMode.DENSE:
             break
         raw = fused_gap8 if fused_gap8 is not None and cand == GapMode.GAP8 else encode_gaps(positions, lo, hi, cand)
-        packed, codec = _pack_stream(raw, level)
+        packed, codec = pack_stream(raw, level)
         if not streams or len(packed) < len(streams[0][1]):
             gm, streams = cand, [(raw.size, packed, codec)]
     return gm, streams
-
-
-def _ranked_modes(hist: np.ndarray, value_modes: tuple[ValueMode, ...], width: int,
-                  exhaustive: bool) -> list[ValueMode]:
-    """Value codings by estimated size (the tokens' order-0 information plus escaped values):
-    the best one, or all of them best first when exhaustive."""
-    est = {vm: entropy_bits(hist[int(vm)]) / 8 + int(hist[int(vm), 255]) * width for vm in value_modes}
-    return sorted(value_modes, key=est.get) if exhaustive else [min(value_modes, key=est.get)]
 
 
 def _best_values(vals: torch.Tensor, kind: Kind, info: DType, new_values: torch.Tensor | None,
@@ -181,7 +133,7 @@ def _best_values(vals: torch.Tensor, kind: Kind, info: DType, new_values: torch.
     first = ValueMode.ULP if ValueMode.ULP in value_modes else ValueMode.RAW
     done = tokens(vals, first == ValueMode.ULP, nv)
     hist = done[2]
-    modes = _ranked_modes(hist, value_modes, info.width, exhaustive)
+    modes = ranked_modes(hist, value_modes, info.width, exhaustive)
     if layouts is None:  # PLANES pays only when many values escape the byte tokens
         many_escapes = int(hist[int(modes[0]), 255]) * 16 > max(vals.numel(), 1)
         layouts = (Layout.TOKENS, Layout.PLANES) if exhaustive or many_escapes else (Layout.TOKENS,)
@@ -242,76 +194,16 @@ def encode_chunk(
     gm, vm, lay, streams = _encode_streams(kind, info, lo, hi, count, positions, vals, new_values, value_modes,
                                            layouts, gap_modes, level, exhaustive, terms)
     plain = assemble_chunk(name, kind, info, gm, vm, lay, numel, lo, hi, count, streams)
-    if (old is None and current is None) or not _ctx_applies(kind, info, positions, new_values, count):
+    if (old is None and current is None) or not context_encode.applies(kind, info, positions, new_values, count):
         return plain
     nv = bits(new_values.contiguous())
     walked = bits((old if old is not None else current).contiguous())
-    ctx = _ctx_streams(info, lo, hi, positions, vals, nv, walked, level, is_old=old is not None)
+    ctx = context_encode.streams(info, lo, hi, positions, vals, nv, walked, level, is_old=old is not None)
     if ctx is None:
         return plain
     coded = assemble_chunk(name, kind, info, GapMode.GAP8, ctx[0], Layout.TOKENS, numel, lo, hi, count, ctx[2],
                            classes=ctx[1])
     return coded if len(coded) < len(plain) else plain
-
-
-def _ctx_applies(kind: Kind, info: DType, positions, new_values, count: int) -> bool:
-    return (kind == Kind.XOR and positions is not None and new_values is not None and count > 0
-            and context.supported(info.name))
-
-
-# the context coding is built only where its estimate is at most this share of one class's
-# (about the plain coding's): the walk over the range costs about as much as the delta pass
-CTX_MIN_GAIN = 0.97
-
-
-def _ctx_streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor,
-                 walked: torch.Tensor, level: int, is_old: bool) -> tuple[ValueMode, int, list[Stream]] | None:
-    """(value coding, classes, streams) of the context-modelled coding of the changes at
-    positions in [lo, hi), from the range's old bits (is_old) or its current (new) ones: they
-    differ only at the positions, where the old values are new ^ xor. The classes are chosen
-    from a sample of the range; None where the estimate says one class would do (the plain
-    coding wins, and the walk over the range is not paid)."""
-    if walked.numel() != hi - lo:
-        raise ValueError(f"{'old' if is_old else 'current'} bits cover {walked.numel()} positions, the range "
-                         f"{hi - lo}")
-    size = context.map_size(info.name)
-    p = positions.to(torch.int64).numpy() - lo
-    e_old = context.exponents(nv ^ vals, info.name)
-    e_new = e_old if is_old else context.exponents(nv, info.name)
-    n = context.sampled_counts(walked, info.name)
-    if not is_old:
-        n += np.bincount(e_old, minlength=size)[:size] - np.bincount(e_new, minlength=size)[:size]
-    done = tokens(vals, True, nv)
-    vm = _ranked_modes(done[2], (ValueMode.RAW, ValueMode.ULP), info.width, False)[0]
-    tok, esc, _ = done if vm == ValueMode.ULP else tokens(vals, False, nv)
-    cls_map, est, one = context.choose_classes(np.maximum(n, 0), e_old, tok, size)
-    if est > CTX_MIN_GAIN * one:
-        return None
-    k = int(cls_map.max()) + 1
-    ranked = context.ranks_from_current(walked, p, cls_map[e_old], cls_map[e_new], cls_map, k, info.name)
-    if ranked is not None:
-        gaps, toks = context.split_ranked(*ranked, cls_map[e_old], tok, k)
-    else:  # no compiled walk: the old bits themselves, sorted by class
-        old = walked
-        if not is_old:
-            old = walked.clone()
-            old[torch.from_numpy(p)] = nv ^ vals
-        k, gaps, toks = context.split(p, tok, cls_map, context.exponents(old, info.name))
-    return vm, k, _ctx_pack(cls_map, gaps, toks, esc, level)
-
-
-def _ctx_pack(cls_map: np.ndarray, gaps: list[np.ndarray], toks: list[np.ndarray], esc: np.ndarray,
-              level: int) -> list[Stream]:
-    """A context-coded chunk's streams: the class map, each class's gaps, each class's tokens,
-    the escapes (codec/context.py)."""
-    streams: list[Stream] = [(cls_map.size, *_pack_stream(cls_map, level))]
-    for g in gaps:
-        packed, codec = _pack_stream(g, level)
-        coded = ans_encode(g) if g.size else b""
-        streams.append((g.size, coded, RANS) if g.size and len(coded) < len(packed) else (g.size, packed, codec))
-    streams += [_token_stream(t, ans_encode(t)) for t in toks]
-    streams.append((esc.size, *_pack_stream(esc, level)))
-    return streams
 
 
 def _encode_streams(kind: Kind, info: DType, lo: int, hi: int, count: int, positions: torch.Tensor | None,
@@ -330,8 +222,8 @@ def _encode_streams(kind: Kind, info: DType, lo: int, hi: int, count: int, posit
     gm, gap_streams = _best_gaps(positions, gap_cands, lo, hi, level, None if fused is None else fused[0])
     if fused is not None and fused[1] is not None:
         _, vm, ans_b, esc = fused
-        epacked, ecodec = _pack_stream(esc, level)
-        return gm, vm, Layout.TOKENS, gap_streams + [_token_stream(None, ans_b, count), (esc.size, epacked, ecodec)]
+        epacked, ecodec = pack_stream(esc, level)
+        return gm, vm, Layout.TOKENS, gap_streams + [token_stream(None, ans_b, count), (esc.size, epacked, ecodec)]
     vm, lay, val_streams = _best_values(vals, kind, info, new_values, value_modes, layouts, exhaustive, level)
     return gm, vm, lay, gap_streams + val_streams
 
@@ -364,35 +256,19 @@ def encode_batch(dtype: torch.dtype, members: list[tuple[str, int, torch.Tensor,
     gm, vm, lay, streams = _encode_streams(Kind.XOR, info, 0, off, count, positions, torch.cat(vals), torch.cat(nv),
                                            None, None, None, level, False, None)
     table = member_table([(name, numel, p.numel()) for name, numel, p, _, _ in members])
-    packed, codec = _pack_stream(table, max(level, 3))
+    packed, codec = pack_stream(table, max(level, 3))
     head = (len(members), packed, codec, len(table))
     plain = assemble_chunk("", Kind.XOR, info, gm, vm, lay, off, 0, off, count, streams, members=head)
-    if olds is None or not _ctx_applies(Kind.XOR, info, positions, nv, count):
+    if olds is None or not context_encode.applies(Kind.XOR, info, positions, nv, count):
         return plain
     old_bits = torch.cat([bits(o.contiguous()).reshape(-1) for o in olds])
-    ctx = _ctx_streams(info, 0, off, positions, torch.cat(vals), torch.cat(nv), old_bits, level, is_old=True)
+    ctx = context_encode.streams(info, 0, off, positions, torch.cat(vals), torch.cat(nv), old_bits, level, is_old=True)
     if ctx is None:
         return plain
     vm, k, streams = ctx
     coded = assemble_chunk("", Kind.XOR, info, GapMode.GAP8, vm, Layout.TOKENS, off, 0, off, count, streams,
                            members=head, classes=k)
     return coded if len(coded) < len(plain) else plain
-
-
-# --------------------------------------------------------------------------- fused encoders
-def _scratch(role: str, n: int, dtype=np.uint8) -> tuple[np.ndarray, int]:
-    """This thread's reusable output buffer `role` for the fused encoder, and its address (its
-    outputs are copied or compressed out before the thread's next chunk): no allocation and no
-    fresh pages per chunk. numpy with the address kept, not torch: the encoder's Python wrapper
-    is paid per chunk (16 -> 10 us on a small chunk with numpy, less with the address kept)."""
-    bufs = getattr(_tls, "bufs", None)
-    if bufs is None:
-        bufs = _tls.bufs = {}
-    got = bufs.get(role)
-    if got is None or got[0].size < n:
-        a = np.empty(max(n, (1 << 16) // np.dtype(dtype).itemsize), dtype=dtype)  # at least 64 KiB
-        got = bufs[role] = (a, a.ctypes.data)
-    return got
 
 
 def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor, lo: int, hi: int,
@@ -404,10 +280,10 @@ def _fused_xor(lib, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tenso
     count, w = vals.numel(), vals.element_size()
     gcap = gap_bound(GapMode.GAP8, count, hi - lo) if gap8 else 0
     acap = lib.dcr_ans_bound(count)
-    gaps, gptr = _scratch("gaps", gcap)
-    ans, aptr = _scratch("ans", acap)
-    esc, eptr = _scratch("esc", count * w)
-    out, optr = _scratch("out", 6, np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
+    gaps, gptr = scratch("gaps", gcap)
+    ans, aptr = scratch("ans", acap)
+    esc, eptr = scratch("esc", count * w)
+    out, optr = scratch("out", 6, np.int64)  # [gap bytes, rANS bytes, escapes, ulp?] + the digest sums
     out[4] = out[5] = 0  # the encoder adds the digest sums
     rc = lib.dcr_encode_xor(positions.data_ptr(), int(positions.dtype == torch.int64), vals.data_ptr(),
                             nv.data_ptr(), count, w, lo, hi, int(gap8), gptr, gcap, aptr, acap, eptr, optr,

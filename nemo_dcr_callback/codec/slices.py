@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.codec.encode import _pack_stream, _scratch, _token_stream
 from nemo_dcr_callback.codec.format import DType, Kind, Layout, Stream, ValueMode, assemble_chunk, dtype_info
+from nemo_dcr_callback.codec.packing import pack_stream, scratch, token_stream
 from nemo_dcr_callback.codec.streams import GapMode
 
 
@@ -19,9 +19,9 @@ def _fused_chunk(name: str, info: DType, gm: GapMode, gap_streams: list[Stream],
                  numel: int, lo: int, hi: int, count: int, level: int) -> bytes:
     """An XOR chunk in the TOKENS layout from the fused encoder's streams (the gap stream(s)
     already packed, the rANS tokens, the escapes zstd-packed here)."""
-    epacked, ecodec = _pack_stream(esc, level)
+    epacked, ecodec = pack_stream(esc, level)
     return assemble_chunk(name, Kind.XOR, info, gm, vm, Layout.TOKENS, numel, lo, hi, count,
-                          gap_streams + [_token_stream(None, ans, count), (esc.size, epacked, ecodec)])
+                          gap_streams + [token_stream(None, ans, count), (esc.size, epacked, ecodec)])
 
 
 _REC = 13  # dcr_encode_slice's record per chunk (see the C source)
@@ -47,13 +47,13 @@ def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, 
     chunks = int(sum(-(-int(n) // span) for n in numels))  # at most
     gcap = count + int(numels.sum()) // 255 + 2 * chunks + 16  # the sum of the chunks' gap_bound
     acap = count + count // 2 + 704 * chunks  # the sum of their rANS bounds
-    _, sp = _scratch("slice_pos", count, np.int64)
-    _, sxp = _scratch("slice_xor", count * w)
-    _, snp = _scratch("slice_new", count * w)
-    gaps, gp = _scratch("slice_gaps", gcap)
-    ans, ap = _scratch("slice_ans", acap)
-    esc, ep = _scratch("slice_esc", count * w)
-    rec, rp = _scratch("slice_rec", _REC * chunks, np.int64)
+    _, sp = scratch("slice_pos", count, np.int64)
+    _, sxp = scratch("slice_xor", count * w)
+    _, snp = scratch("slice_new", count * w)
+    gaps, gp = scratch("slice_gaps", gcap)
+    ans, ap = scratch("slice_ans", acap)
+    esc, ep = scratch("slice_esc", count * w)
+    rec, rp = scratch("slice_rec", _REC * chunks, np.int64)
     n = lib.dcr_encode_slice(positions.data_ptr(), int(positions.dtype == torch.int64), count, add, xor.data_ptr(),
                              new.data_ptr(), w, table.shape[0], table.ctypes.data, len(names), numels.ctypes.data,
                              span, sp, sxp, snp, count, gp, gcap, ap, acap, ep, count, rp, chunks)
@@ -64,7 +64,7 @@ def encode_xor_slice(lib, positions: torch.Tensor, add: int, xor: torch.Tensor, 
     out: list = []  # the C call writes each canonical tensor's chunks in a row
     for cid, lo, hi, c, ulp, go, gl, ao, al, eo, ne, s_old, s_new in rec[:_REC * n].reshape(n, _REC).tolist():
         g = gaps[go:go + gl]
-        chunk = _fused_chunk(names[cid], info, GapMode.GAP8, [(g.size, *_pack_stream(g, level))], ValueMode(ulp),
+        chunk = _fused_chunk(names[cid], info, GapMode.GAP8, [(g.size, *pack_stream(g, level))], ValueMode(ulp),
                              ans[ao:ao + al].tobytes(), esc[eo * w:(eo + ne) * w], int(numels[cid]), lo, hi, c, level)
         if not out or out[-1][0] != cid:
             out.append((cid, [], 0, [0, 0]))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parents[1] / "_lib"
 LIB_NAME = "libdcr_cpu.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 SIMD_PATHS = {2: "AVX-512", 1: "AVX2", 0: "portable"}
 
 _lock = threading.Lock()
@@ -41,10 +41,11 @@ _SIGNATURES = {
     "dcr_member_table": (c_i64, [c_void_p, c_i64, c_i64, c_i64, c_void_p]),
     "dcr_ctx_positions": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p,
                                   c_void_p, c_void_p, c_void_p, c_void_p]),
-    "dcr_ctx_ranks": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p,
-                              c_i64, c_void_p, c_void_p]),
     "dcr_ctx_values": (c_i64, [c_void_p, c_i64, c_void_p, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_exp_hist": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_i64, c_i64, c_void_p]),
+    "dcr_ctx_encode": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_int, c_void_p, c_int, c_i64, c_i64, c_void_p,
+                               c_void_p, c_void_p, ctypes.c_double, c_i64, c_i64, c_void_p, c_void_p, c_void_p,
+                               c_i64, c_void_p]),
     "dcr_ulp_encode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_void_p]),
     "dcr_tokens": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_void_p, c_void_p, c_void_p]),
     "dcr_ans_bound": (c_i64, [c_i64]),

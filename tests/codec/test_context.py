@@ -142,6 +142,37 @@ def test_compiled_and_numpy_context_decoders_land_on_the_new_bits(dtype, monkeyp
         assert torch.equal(bits(t), bits(new).view(-1)), native
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("source", ["old", "current"])
+def test_compiled_and_numpy_context_encoders_make_the_same_chunks(dtype, source, monkeypatch):
+    """The fused encoder (dcr_ctx_encode: class choice, walk, streams in one call) and the
+    numpy one choose the same classes and write the same bytes, from the old bits or from a
+    sender's current ones; and the chunks land on the new tensor."""
+    old, new = adam_like(300_000, 1e-6 if dtype != torch.float32 else 1e-8, 5, dtype)
+    d = take_delta(new, old.clone(), keep_new=True)
+    kw = {"old": old} if source == "old" else {"current": new}
+    compiled = codec.encode_delta("w", d, span=1 << 17, **kw)
+    monkeypatch.setattr(context.kernels, "native", lambda: None)
+    numpy_made = codec.encode_delta("w", d, span=1 << 17, **kw)
+    monkeypatch.undo()
+    assert sum(1 for c in compiled if codec.parse_header(c).classes) >= 2
+    assert compiled == numpy_made
+    t = old.clone().view(-1)
+    for c in compiled:
+        for dc in codec.decode_parts(c, old=lambda _h: old.view(-1)):
+            codec.apply_decoded(dc, t)
+    assert torch.equal(bits(t), bits(new).view(-1))
+
+
+def test_current_bits_that_disagree_with_the_new_values_are_refused():
+    """A sender whose baseline is not the new tensor would rank positions by classes the
+    receiver never sees: the walk checks each changed position's bits and refuses."""
+    old, new = adam_like(100_000, 1e-6, 3)
+    d = take_delta(new, old.clone(), keep_new=True)
+    with pytest.raises(ValueError, match="disagree with the new values"):
+        codec.encode_delta("w", d, current=old)
+
+
 def test_a_rank_beyond_its_class_is_refused():
     """A class's gap stream naming a rank past the class's population (which only the walk
     over the old bits knows) is refused, not applied somewhere else."""
