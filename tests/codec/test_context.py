@@ -173,6 +173,28 @@ def test_current_bits_that_disagree_with_the_new_values_are_refused():
         codec.encode_delta("w", d, current=old)
 
 
+@pytest.mark.parametrize("lr", [1e-7, 3e-6, 1e-5])  # 1% changed, 2-3 classes; 17%, up to 6; over 8
+def test_every_compiled_walk_and_numpy_decode_the_same_chunks(lr, monkeypatch):
+    """The decoder's walks: per-class compares, every class counted at once (GFNI, up to 8
+    classes), and the numpy sort by class must land on the new tensor from the same chunks."""
+    old, new = adam_like(300_000, lr, 5)
+    d = take_delta(new, old.clone(), keep_new=True)
+    chunks = codec.encode_delta("w", d, span=1 << 17, old=old)
+    ks = [codec.parse_header(c).classes for c in chunks]
+    assert (max(ks) <= 8) == (lr < 1e-5), ks
+    for env, native in (({}, True), ({"NEMO_DCR_NO_GFNI": "1"}, True), ({}, False)):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        if not native:
+            monkeypatch.setattr(context.kernels, "native", lambda: None)
+        t = old.clone()
+        for c in chunks:
+            for dc in codec.decode_parts(c, old=lambda _h: old):
+                codec.apply_decoded(dc, t)
+        assert torch.equal(bits(t), bits(new)), (env, native)
+        monkeypatch.undo()
+
+
 def test_a_rank_beyond_its_class_is_refused():
     """A class's gap stream naming a rank past the class's population (which only the walk
     over the old bits knows) is refused, not applied somewhere else."""
