@@ -705,6 +705,41 @@ static inline __m512i ctx_exps64(const T* v, int shift, uint32_t mask) {
   }
 }
 
+// The block's classes from its exponents by two 128-entry byte permutes (the tables passed
+// by value: as members of a struct they were reloaded after every int64 store).
+static inline __m512i class_bytes(__m512i e, __m512i t0, __m512i t1, __m512i t2, __m512i t3, int nbits) {
+  __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);  // entries 0..127 (e & 127)
+  if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+  return cls;
+}
+
+// Class c's ranks that fall in a block whose class-c lanes are m (lo: the class's count
+// before the block): their bits into emit, the class's next rank and index moved on.
+static inline void emit_class(uint64_t m, int64_t lo, int64_t& nxt, int64_t& j, int64_t end, const int64_t* ranks,
+                              uint64_t& emit) {
+  const int64_t pc = __builtin_popcountll(m);
+  int64_t r = nxt - lo;
+  while (r >= 0 && r < pc) {
+    emit |= _pdep_u64(1ULL << r, m);
+    ++j;
+    nxt = j < end ? ranks[j] : INT64_MAX;
+    r = nxt - lo;
+  }
+}
+
+// The emitted positions of a block in order, each one's source the next index of its class.
+static inline int64_t emit_positions(uint64_t emit, __m512i cls, int64_t at, int64_t* js, int64_t* pos_out,
+                                     int64_t* src_out, int64_t t) {
+  alignas(64) uint8_t cb[64];
+  _mm512_store_si512(cb, cls);
+  for (uint64_t e = emit; e; e &= e - 1) {
+    const int b = __builtin_ctzll(e);
+    pos_out[t] = at + b;
+    src_out[t++] = js[cb[b]]++;
+  }
+  return t;
+}
+
 template <class T>
 static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, int shift, int nbits,
                         const uint8_t* map256) {
@@ -726,9 +761,7 @@ static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, 
   int64_t t = w.t;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    const __m512i e = ctx_exps64(v + i, shift, mask);
-    __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);  // entries 0..127 (e & 127)
-    if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+    const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
     // Which classes have a rank in this block, without a branch per class (a mispredicted
     // one per emitting class cost more than the compares); then one 64-bit mask of the
     // emitted positions, read in position order, each one's source the next index of its class.
@@ -744,24 +777,10 @@ static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, 
       int64_t js[16];
       for (uint32_t h = hit; h; h &= h - 1) {
         const int c = __builtin_ctz(h);
-        const uint64_t m = ms[c];
-        const int64_t pc = __builtin_popcountll(m), lo = cnt[c];
         js[c] = j[c];
-        int64_t r = nxt[c] - lo;
-        while (r >= 0 && r < pc) {
-          emit |= _pdep_u64(1ULL << r, m);
-          ++j[c];
-          nxt[c] = j[c] < end[c] ? ranks[j[c]] : INT64_MAX;
-          r = nxt[c] - lo;
-        }
+        emit_class(ms[c], cnt[c], nxt[c], j[c], end[c], ranks, emit);
       }
-      alignas(64) uint8_t cb[64];
-      _mm512_store_si512(cb, cls);
-      for (uint64_t e = emit; e; e &= e - 1) {
-        const int b = __builtin_ctzll(e);
-        pos_out[t] = base + i + b;
-        src_out[t++] = js[cb[b]]++;
-      }
+      t = emit_positions(emit, cls, base + i, js, pos_out, src_out, t);
     }
     for (int c = 0; c < k; ++c) cnt[c] += __builtin_popcountll(ms[c]);
   }
@@ -807,9 +826,7 @@ static int64_t ctx_simd8(CtxWalk& w, int k, const T* v, int64_t n, int64_t base,
   int64_t t = w.t;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    const __m512i e = ctx_exps64(v + i, shift, mask);
-    __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);
-    if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+    const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
     const __m512i tr = _mm512_gf2p8affine_epi64_epi8(rows, _mm512_shuffle_epi8(onehot, cls), 0);
     const __m512i pc = _mm512_popcnt_epi8(tr);
     const __m256i s4 = _mm256_add_epi8(_mm512_castsi512_si256(pc), _mm512_extracti64x4_epi64(pc, 1));
@@ -829,26 +846,13 @@ static int64_t ctx_simd8(CtxWalk& w, int k, const T* v, int64_t n, int64_t base,
     for (uint32_t h = hit; h; h &= h - 1) {
       const int c = __builtin_ctz(h);
       const uint64_t m = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
-      const int64_t pcc = __builtin_popcountll(m), lo = cnt[c];
       js[c] = j[c];
-      int64_t r = nxt[c] - lo;
-      while (r >= 0 && r < pcc) {
-        emit |= _pdep_u64(1ULL << r, m);
-        ++j[c];
-        nxt[c] = j[c] < end[c] ? ranks[j[c]] : INT64_MAX;
-        r = nxt[c] - lo;
-      }
-      rem[c] = nxt[c] == INT64_MAX ? INT64_MAX : nxt[c] - (lo + pcc);
+      emit_class(m, cnt[c], nxt[c], j[c], end[c], ranks, emit);
+      rem[c] = nxt[c] == INT64_MAX ? INT64_MAX : nxt[c] - (cnt[c] + __builtin_popcountll(m));
     }
     remv = _mm512_load_si512(rem);
     cntv = _mm512_add_epi64(cntv, counts);
-    alignas(64) uint8_t cb[64];
-    _mm512_store_si512(cb, cls);
-    for (uint64_t em = emit; em; em &= em - 1) {
-      const int b = __builtin_ctzll(em);
-      pos_out[t] = base + i + b;
-      src_out[t++] = js[cb[b]]++;
-    }
+    t = emit_positions(emit, cls, base + i, js, pos_out, src_out, t);
   }
   _mm512_store_si512(cnt, cntv);
   for (int c = 0; c < k; ++c) {
@@ -980,9 +984,7 @@ static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, i
   int64_t j = w.j, next = j < w.count ? pos[j] : INT64_MAX;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    const __m512i e = ctx_exps64(v + i, shift, mask);
-    __m512i cls = _mm512_permutex2var_epi8(t0, e, t1);
-    if (nbits > 7) cls = _mm512_mask_blend_epi8(_mm512_movepi8_mask(e), cls, _mm512_permutex2var_epi8(t2, e, t3));
+    const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
     if (next >= i + 64) {  // no change in the block: only the counts
       for (int c = 0; c < k; ++c)
         cnt[c] += __builtin_popcountll(_mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c))));
