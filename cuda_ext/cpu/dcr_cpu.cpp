@@ -2071,3 +2071,85 @@ extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shi
   }
   return 0;
 }
+
+// ---------------------------------------------------------------- fused context decoder
+// A context-coded chunk's classes decoded in one call (codec/context.py join_coded): per class
+// its gap stream (rANS undone, GAP8 to ranks) and its tokens (rANS undone), then the walk over
+// the old bits (dcr_ctx_positions) and the values (dcr_ctx_values). Python's share was a call
+// or three per stream, per chunk: most of the time on models of many small tensors.
+// desc: per class 8 int64: gap stream address, stored bytes, raw bytes, rANS-coded (else the
+// raw bytes), token stream address, stored bytes, tokens, rANS-coded. pos_out and
+// values_out hold the tokens' total. Returns the changes decoded, or < 0 with err[0] the class (or count)
+// and err[1] the stream's own code: -1 gap rANS, -2 gap decode, -3 token rANS, -4 a class's
+// ranks beyond its population, -5 ranks that name fewer positions than changes, -6 escapes
+// that do not match the tokens, -100 bad arguments.
+extern "C" int64_t dcr_ctx_decode(const void* const* segs, const int64_t* lens, int64_t nseg, int width, int shift,
+                                  int nbits, const uint8_t* cls_map, int k, const int64_t* desc, const void* esc,
+                                  int64_t n_esc, int vwidth, int64_t* pos_out, void* values_out,
+                                  int64_t* class_counts, int64_t* err) {
+  if (k < 1 || k > 16 || (vwidth != 2 && vwidth != 4)) return -100;
+  int64_t n = 0;
+  for (int64_t s = 0; s < nseg; ++s) n += lens[s];
+  int64_t starts[17] = {0};
+  for (int j = 0; j < k; ++j) {
+    const int64_t m = desc[8 * j + 6];
+    if (m < 0 || m > n) return -100;
+    starts[j + 1] = starts[j] + m;
+  }
+  const int64_t total = starts[k];
+  thread_local std::vector<int64_t> ranks, src;
+  thread_local std::vector<uint8_t> gbuf, toks;
+  ranks.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  src.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  toks.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
+  for (int j = 0; j < k; ++j) {
+    const int64_t* d = desc + 8 * j;
+    const uint8_t* g = reinterpret_cast<const uint8_t*>(d[0]);
+    int64_t glen = d[1];
+    if (d[3]) {  // rANS: the raw GAP8 bytes first
+      if (d[2] < 0 || d[2] > 2 * n + 64) return -100;
+      gbuf.resize(static_cast<size_t>(std::max<int64_t>(d[2], 1)));
+      uint8_t* gb = gbuf.data();
+      const int64_t rc = ans_decode(g, glen, d[2], [gb](int64_t i, uint8_t s) { gb[i] = s; });
+      if (rc < 0) {
+        err[0] = j;
+        err[1] = rc;
+        return -1;
+      }
+      g = gb;
+      glen = d[2];
+    }
+    const int64_t m = starts[j + 1] - starts[j];
+    const int64_t rc = gaps8_decode(g, glen, m, 0, std::max<int64_t>(n, 1), ranks.data() + starts[j]);
+    if (rc < 0) {
+      err[0] = j;
+      err[1] = rc;
+      return -2;
+    }
+    const uint8_t* t = reinterpret_cast<const uint8_t*>(d[4]);
+    uint8_t* to = toks.data() + starts[j];
+    if (d[7]) {
+      const int64_t rt = ans_decode(t, d[5], m, [to](int64_t i, uint8_t s) { to[i] = s; });
+      if (rt < 0) {
+        err[0] = j;
+        err[1] = rt;
+        return -3;
+      }
+    } else {
+      if (d[5] != m) return -100;
+      std::memcpy(to, t, static_cast<size_t>(m));
+    }
+  }
+  const int64_t found = dcr_ctx_positions(segs, lens, nseg, width, shift, nbits, cls_map, k, ranks.data(), starts,
+                                          pos_out, src.data(), class_counts);
+  if (found < 0) {
+    err[0] = found == -100 ? -1 : -found - 1;
+    return found == -100 ? -100 : -4;
+  }
+  if (found != total) {
+    err[0] = found;
+    return -5;
+  }
+  if (dcr_ctx_values(src.data(), total, toks.data(), esc, n_esc, vwidth, values_out) != 0) return -6;
+  return total;
+}

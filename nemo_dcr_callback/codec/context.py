@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from nemo_dcr_callback.codec.streams import (
+    ANS_ERRORS,
+    GAP_ERRORS,
     GapMode,
     StreamError,
     decode_gaps,
@@ -256,4 +258,65 @@ def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str,
     if lib.dcr_ctx_values(src.ctypes.data, total, tok.ctypes.data, esc.ctypes.data, esc.size // w, w,
                           values.data_ptr()) != 0:
         raise StreamError("escape count does not match the token stream")
+    return torch.from_numpy(pos[:total]).to(idt), values
+
+
+# A class's coded stream as the chunk holds it (zstd undone): its bytes, its raw length, rANS-coded?
+Coded = tuple[np.ndarray, int, bool]
+
+
+def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str, gap_streams: list[Coded],
+               tok_streams: list[Coded], esc: np.ndarray, bits_dtype: torch.dtype,
+               idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """join_old from the classes' streams still rANS-coded, in one compiled call (rANS, GAP8,
+    the walk and the values: dcr_ctx_decode); None where the compiled path does not apply
+    (the caller then decodes stream by stream). segments: the receiver's tensors of the
+    range, flat, of the chunk's dtype or its exponent bytes (uint8)."""
+    lib = kernels.native()
+    k = len(tok_streams)
+    if lib is None:
+        return None
+    ptrs, lens = [], []
+    for t in segments:  # (one loop: a batch holds hundreds of small tensors)
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+        ptrs.append(t.data_ptr())
+        lens.append(t.numel())
+    width = segments[0].element_size()
+    if any(t.element_size() != width for t in segments):
+        return None
+    if cls_map.size != map_size(dtype_name):
+        raise StreamError(f"class map has {cls_map.size} entries, not {map_size(dtype_name)}")
+    if cls_map.size and int(cls_map.max()) >= k:
+        raise StreamError(f"class map names class {int(cls_map.max())} of {k}")
+    desc = np.zeros(8 * k, dtype=np.int64)
+    for j in range(k):
+        (g, g_raw, g_rans), (t, t_raw, t_rans) = gap_streams[j], tok_streams[j]
+        desc[8 * j:8 * j + 8] = (g.ctypes.data, g.size, g_raw, int(g_rans), t.ctypes.data, t.size, t_raw, int(t_rans))
+    total = sum(t[1] for t in tok_streams)
+    pos = np.empty(max(total, 1), dtype=np.int64)
+    values = torch.empty(total, dtype=bits_dtype)
+    populations = np.zeros(k, dtype=np.int64)
+    err = np.zeros(2, dtype=np.int64)
+    cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
+    esc = np.ascontiguousarray(esc)
+    w = escape_width(esc, bits_dtype)
+    shift, nbits = _EXPONENT[dtype_name]
+    if segments[0].dtype == torch.uint8:  # exponent bytes (exponent_bytes), not bits
+        shift = 0
+    ptrs, lens = np.array(ptrs, dtype=np.uint64), np.array(lens, dtype=np.int64)
+    rc = lib.dcr_ctx_decode(ptrs.ctypes.data, lens.ctypes.data, len(segments), width, shift,
+                            nbits, cmap.ctypes.data, k, desc.ctypes.data, esc.ctypes.data, esc.size // w, w,
+                            pos.ctypes.data, values.data_ptr(), populations.ctypes.data, err.ctypes.data)
+    if rc < 0:
+        j, code = int(err[0]), int(err[1])
+        raise StreamError({
+            -1: f"class {j}'s gap stream: {ANS_ERRORS.get(code, f'rANS error {code}')}",
+            -2: f"class {j}'s gap stream: {GAP_ERRORS.get(code, f'gap decode error {code}')}",
+            -3: f"class {j}'s token stream: {ANS_ERRORS.get(code, f'rANS error {code}')}",
+            -4: f"class {j} declares {tok_streams[j][1] if 0 <= j < k else '?'} changes among "
+                f"{int(populations[j]) if 0 <= j < k else '?'} positions",
+            -5: f"the classes' ranks name {j} positions for {total} changes",
+            -6: "escape count does not match the token stream",
+        }.get(rc, f"context streams do not add up ({rc})"))
     return torch.from_numpy(pos[:total]).to(idt), values

@@ -164,23 +164,30 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
     if old is None:
         raise ChunkError(f"chunk for {what!r} is context-coded: decoding it needs the receiver's old bits, and "
                          "this path does not pass them")
+    # the receiver's tensors as they are (the compiled walk reads their bytes; a bit view per
+    # tensor was most of a batch's decode on models of many small tensors)
     if h.members:
-        segments = [_old_view(old(m)) for m in h.members]
+        segments = [old(m) for m in h.members]
         for m, t in zip(h.members, segments, strict=True):
             if t.numel() != m.numel:
                 raise ChunkError(f"chunk for {what!r}: member {m.name!r} spans {m.numel} positions, the receiver's "
                                  f"tensor holds {t.numel()}")
     else:
-        segments = [_old_view(old(h))[h.lo:h.hi]]
+        segments = [old(h).reshape(-1)[h.lo:h.hi]]
     held = sum(t.numel() for t in segments)
     if held != h.hi - h.lo:
         raise ChunkError(f"chunk for {what!r} spans {h.hi - h.lo} positions, the receiver's tensor(s) hold {held}")
     k = h.classes
     raw = [s[0] for s in h.streams]
-    codecs = [s[2] for s in h.streams]
-    dec = [ans_decode(st[i], raw[i]) if codecs[i] == RANS else st[i] for i in range(len(st))]
-    pos, vals = context.join_old(dec[0], segments, h.dtype.name, dec[1:1 + k], dec[1 + k:1 + 2 * k], dec[-1],
-                                 BITS_DTYPE[h.dtype.width], idt)
+    rans = [s[2] == RANS for s in h.streams]
+    cmap, esc = (ans_decode(st[i], raw[i]) if rans[i] else st[i] for i in (0, -1))
+    coded = [(st[i], raw[i], rans[i]) for i in range(1, 1 + 2 * k)]
+    got = context.join_coded(cmap, segments, h.dtype.name, coded[:k], coded[k:], esc, BITS_DTYPE[h.dtype.width], idt)
+    if got is None:  # no compiled library: stream by stream
+        dec = [ans_decode(s, r) if c else s for s, r, c in coded]
+        got = context.join_old(cmap, [_old_view(t) for t in segments], h.dtype.name, dec[:k], dec[k:], esc,
+                               BITS_DTYPE[h.dtype.width], idt)
+    pos, vals = got
     # the walk numbers positions within the chunk's range; a tensor's chunk after its first
     # starts at lo (a batch's members are cut from the concatenation by decode_parts)
     return (pos + h.lo if h.lo and not h.members else pos), vals

@@ -67,7 +67,7 @@ def _encode_gaps_py(pos: np.ndarray, lo: int, hi: int, mode: GapMode) -> np.ndar
     return np.concatenate([(out & 255).astype(np.uint8), (out >> 8).astype(np.uint8)])
 
 
-_GAP_ERRORS = {-1: "position stream ends early", -2: "position out of range",
+GAP_ERRORS = {-1: "position stream ends early", -2: "position out of range",
                -3: "trailing bytes in position stream"}
 
 
@@ -81,7 +81,7 @@ def decode_gaps(stream: np.ndarray, mode: GapMode, count: int, lo: int, hi: int,
     rc = lib.dcr_gaps_decode(stream.ctypes.data, stream.size, int(mode), count, lo, hi,
                              pos.data_ptr(), int(idt == torch.int64))
     if rc < 0:
-        raise StreamError(_GAP_ERRORS.get(rc, f"gap decode error {rc}"))
+        raise StreamError(GAP_ERRORS.get(rc, f"gap decode error {rc}"))
     return pos
 
 
@@ -90,19 +90,19 @@ def _decode_gaps_py(stream: np.ndarray, mode: GapMode, count: int, lo: int, hi: 
         sym, esc = stream.astype(np.int64), 255
     else:
         if stream.size % 2:
-            raise StreamError(_GAP_ERRORS[-3])
+            raise StreamError(GAP_ERRORS[-3])
         m = stream.size // 2
         sym, esc = stream[:m].astype(np.int64) | (stream[m:].astype(np.int64) << 8), 65535
     ends = np.flatnonzero(sym != esc)
     if ends.size < count:
-        raise StreamError(_GAP_ERRORS[-1])
+        raise StreamError(GAP_ERRORS[-1])
     if ends.size > count or (count and ends[-1] != sym.size - 1) or (count == 0 and sym.size):
-        raise StreamError(_GAP_ERRORS[-3])
+        raise StreamError(GAP_ERRORS[-3])
     csum = np.cumsum(sym)
     gap_tot = csum[ends] - np.concatenate([[0], csum[ends[:-1]]]) if count else csum[:0]
     pos = lo - 1 + np.cumsum(gap_tot + 1)
     if count and pos[-1] >= hi:
-        raise StreamError(_GAP_ERRORS[-2])
+        raise StreamError(GAP_ERRORS[-2])
     return torch.from_numpy(pos)
 
 
@@ -199,7 +199,7 @@ def token_values(coded: np.ndarray, count: int, esc: np.ndarray, bits_dtype: tor
     rc = lib.dcr_ans_decode_values(coded.ctypes.data, coded.size, count, esc.ctypes.data, esc.size // w, w,
                                    out.data_ptr())
     if rc < 0:
-        msg = "escape count does not match the token stream" if rc == -7 else _ANS_ERRORS.get(rc, f"rANS error {rc}")
+        msg = "escape count does not match the token stream" if rc == -7 else ANS_ERRORS.get(rc, f"rANS error {rc}")
         raise StreamError(msg)
     return out
 
@@ -209,7 +209,7 @@ PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 31
 STATES = 4  # symbol i is coded by state i % 4
-_ANS_ERRORS = {-1: "rANS stream truncated", -5: "bad rANS frequency table", -6: "corrupt rANS stream"}
+ANS_ERRORS = {-1: "rANS stream truncated", -5: "bad rANS frequency table", -6: "corrupt rANS stream"}
 
 
 def ans_encode(sym: np.ndarray) -> bytes:
@@ -234,7 +234,7 @@ def ans_decode(data: bytes | memoryview | np.ndarray, n: int) -> np.ndarray:
     out = np.empty(n, dtype=np.uint8)
     rc = lib.dcr_ans_decode(buf.ctypes.data, buf.size, out.ctypes.data, n)
     if rc < 0:
-        raise StreamError(_ANS_ERRORS.get(rc, f"rANS error {rc}"))
+        raise StreamError(ANS_ERRORS.get(rc, f"rANS error {rc}"))
     return out
 
 
@@ -288,22 +288,22 @@ def _ans_encode_py(sym: np.ndarray) -> bytes:
 def _ans_decode_py(buf: np.ndarray, n: int) -> np.ndarray:
     data = buf.tobytes()
     if len(data) < 32:
-        raise StreamError(_ANS_ERRORS[-1])
+        raise StreamError(ANS_ERRORS[-1])
     freq, k = [0] * 256, 32
     for s in range(256):
         if data[s >> 3] & (1 << (s & 7)):
             if k + 2 > len(data):
-                raise StreamError(_ANS_ERRORS[-1])
+                raise StreamError(ANS_ERRORS[-1])
             freq[s] = int.from_bytes(data[k:k + 2], "little")
             k += 2
             if freq[s] == 0 or freq[s] > PROB_SCALE:
-                raise StreamError(_ANS_ERRORS[-5])
+                raise StreamError(ANS_ERRORS[-5])
     if n == 0:
         if sum(freq) or k + 8 * STATES != len(data):
-            raise StreamError(_ANS_ERRORS[-6])
+            raise StreamError(ANS_ERRORS[-6])
         return np.empty(0, np.uint8)
     if sum(freq) != PROB_SCALE:
-        raise StreamError(_ANS_ERRORS[-5])
+        raise StreamError(ANS_ERRORS[-5])
     cum = [0] * 256
     for s in range(1, 256):
         cum[s] = cum[s - 1] + freq[s - 1]
@@ -311,13 +311,13 @@ def _ans_decode_py(buf: np.ndarray, n: int) -> np.ndarray:
     for s in range(256):
         slot[cum[s]:cum[s] + freq[s]] = bytes([s]) * freq[s]
     if k + 8 * STATES > len(data):
-        raise StreamError(_ANS_ERRORS[-1])
+        raise StreamError(ANS_ERRORS[-1])
     if (len(data) - k - 8 * STATES) % 4:
-        raise StreamError(_ANS_ERRORS[-6])
+        raise StreamError(ANS_ERRORS[-6])
     x = [int.from_bytes(data[k + 8 * j:k + 8 * j + 8], "little") for j in range(STATES)]
     p = k + 8 * STATES
     if min(x) < RANS_L:
-        raise StreamError(_ANS_ERRORS[-6])
+        raise StreamError(ANS_ERRORS[-6])
     out = bytearray(n)
     mask = PROB_SCALE - 1
     for i in range(n):
@@ -328,10 +328,10 @@ def _ans_decode_py(buf: np.ndarray, n: int) -> np.ndarray:
         st = freq[s] * (st >> PROB_BITS) + sl - cum[s]
         if st < RANS_L:
             if p + 4 > len(data):
-                raise StreamError(_ANS_ERRORS[-1])
+                raise StreamError(ANS_ERRORS[-1])
             st = (st << 32) | int.from_bytes(data[p:p + 4], "little")
             p += 4
         x[i % STATES] = st
     if p != len(data) or x != [RANS_L] * STATES:
-        raise StreamError(_ANS_ERRORS[-6])
+        raise StreamError(ANS_ERRORS[-6])
     return np.frombuffer(bytes(out), dtype=np.uint8)

@@ -42,6 +42,8 @@ _SIGNATURES = {
     "dcr_ctx_positions": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p,
                                   c_void_p, c_void_p, c_void_p, c_void_p]),
     "dcr_ctx_values": (c_i64, [c_void_p, c_i64, c_void_p, c_void_p, c_i64, c_int, c_void_p]),
+    "dcr_ctx_decode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p,
+                               c_i64, c_int, c_void_p, c_void_p, c_void_p, c_void_p]),
     "dcr_exp_hist": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_i64, c_i64, c_void_p]),
     "dcr_ctx_encode": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_int, c_void_p, c_int, c_i64, c_i64, c_void_p,
                                c_void_p, c_void_p, ctypes.c_double, c_i64, c_i64, c_void_p, c_void_p, c_void_p,

@@ -213,6 +213,24 @@ def test_a_rank_beyond_its_class_is_refused():
         codec.decode_parts(bad, old=lambda _h: old.view(-1))
 
 
+@pytest.mark.parametrize("which", ["gaps", "tokens"])
+def test_a_corrupt_class_stream_is_refused_by_name(which):
+    """The fused decoder (dcr_ctx_decode) undoes each class's rANS itself: a truncated stream
+    is refused with the class and the stream named, and nothing is decoded."""
+    old, new = adam_like(200_000, 3e-7, 12)
+    _, _, ctx = _chunk(old, new)
+    h = codec.parse_header(ctx[0])
+    first = 1 if which == "gaps" else 1 + h.classes
+    j = next(j for j in range(h.classes) if h.streams[first + j][2] == fmt.RANS)  # a rANS-coded class
+    i = first + j
+    raw, stored, _ = h.streams[i]
+    off = h.payload_offset + sum(s[1] for s in h.streams[:i])
+    cut = bytes(ctx[0][off:off + stored // 2])  # the table and half the words
+    bad = _restream(ctx[0], i, cut, raw, fmt.RANS)
+    with pytest.raises(codec.ChunkError, match=f"class {j}'s {'gap' if which == 'gaps' else 'token'} stream"):
+        codec.decode_parts(bad, old=lambda _h: old.view(-1))
+
+
 def test_a_different_base_decodes_to_other_positions_and_the_digest_catches_it(tmp_path):
     """The classes come from the base: against another base the chunk decodes to other
     positions. The delta file's digests refuse the result, with nothing written."""
