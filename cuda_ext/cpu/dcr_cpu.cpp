@@ -935,11 +935,11 @@ int64_t dcr_ctx_positions(const void* const* segs, const int64_t* lens, int64_t 
 
 namespace {
 
-// The sender's side of context coding (dcr_ctx_ranks below): the walk reads the NEW bits of a
-// chunk's range (the sender's baseline after the step, so no copy of the old tensor is made)
-// and corrects at the changed positions, the only ones whose old exponent can differ: class
-// c's count of old values before p is the new bits' count plus, over changed q < p, +1 where
-// q's old class is c and -1 where its new class is.
+// The sender's side of context coding (ctx_ranks_walk below, for dcr_ctx_encode): the walk
+// reads the NEW bits of a chunk's range (the sender's baseline after the step, so no copy of
+// the old tensor is made) and corrects at the changed positions, the only ones whose old
+// exponent can differ: class c's count of old values before p is the new bits' count plus,
+// over changed q < p, +1 where q's old class is c and -1 where its new class is.
 struct RankWalk {
   int64_t cnt[16] = {0}, corr[16] = {0};
   const int64_t* pos;
