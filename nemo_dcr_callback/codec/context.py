@@ -135,26 +135,24 @@ def choose_classes(n: np.ndarray, exp_changed: np.ndarray, tok: np.ndarray, size
     return out, float(cost[best]), float(cost[0])
 
 
+def sample_plan(n: int) -> tuple[int, int]:
+    """(block, every) of the class choice's sample of n positions: SAMPLE_BLOCK positions of
+    every SAMPLE_EVERY, or every position of a short range (the compiled encoder takes the same)."""
+    return SAMPLE_BLOCK, SAMPLE_EVERY if n >= 4 * SAMPLE_EVERY else SAMPLE_BLOCK
+
+
 def sampled_counts(cur_bits: torch.Tensor, dtype_name: str) -> np.ndarray:
     """Positions per exponent value of a range's bits, estimated from a sample (the class
-    choice needs only their proportions; the decoder never sees them)."""
+    choice needs only their proportions; the decoder never sees them). The numpy encoder's;
+    the compiled one (dcr_ctx_encode) samples the same positions itself."""
     size = map_size(dtype_name)
-    shift, nbits = _EXPONENT[dtype_name]
     n = cur_bits.numel()
-    block, every = SAMPLE_BLOCK, SAMPLE_EVERY if n >= 4 * SAMPLE_EVERY else SAMPLE_BLOCK
-    lib = kernels.native()
-    if lib is not None and cur_bits.is_cpu and cur_bits.is_contiguous():
-        hist = np.zeros(256, dtype=np.int64)
-        seen = lib.dcr_exp_hist(cur_bits.data_ptr(), n, cur_bits.element_size(), shift, nbits, block, every,
-                                hist.ctypes.data)
-        counts = hist[:size].astype(np.float64)
-    else:
-        idx = torch.arange(0, n, every).reshape(-1, 1) + torch.arange(block).reshape(1, -1)
-        idx = idx.reshape(-1)
-        idx = idx[idx < n]
-        seen = idx.numel()
-        counts = np.bincount(exponents(cur_bits.reshape(-1)[idx], dtype_name), minlength=size)[:size].astype(np.float64)
-    return counts * (n / max(seen, 1))
+    block, every = sample_plan(n)
+    idx = torch.arange(0, n, every).reshape(-1, 1) + torch.arange(block).reshape(1, -1)
+    idx = idx.reshape(-1)
+    idx = idx[idx < n]
+    counts = np.bincount(exponents(cur_bits.reshape(-1)[idx], dtype_name), minlength=size)[:size].astype(np.float64)
+    return counts * (n / max(idx.numel(), 1))
 
 
 def _class_order(cls_all: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -209,56 +207,23 @@ def join(cls_map: np.ndarray, exp_all: np.ndarray, gap_streams: list[np.ndarray]
     return torch.from_numpy(p[perm]).to(idt), values
 
 
-def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str, gap_streams: list[np.ndarray],
-             tok_streams: list[np.ndarray], esc: np.ndarray, bits_dtype: torch.dtype,
-             idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """join() from the old bits of the chunk's range themselves (segments: flat bit views,
-    one after another; a batch's members). With the compiled kernels one walk over them
-    finds every position, with no copy (the numpy path concatenates them and sorts the
-    whole range by class, far slower than a copy: docs/PERFORMANCE.md)."""
-    lib = kernels.native()
-    k = len(tok_streams)
-    if lib is None or not all(t.is_cpu and t.is_contiguous() for t in segments):
-        old_bits = torch.cat([t.reshape(-1) for t in segments]) if len(segments) != 1 else segments[0]
-        return join(cls_map, exponents(old_bits, dtype_name), gap_streams, tok_streams, esc, bits_dtype, idt)
+def _check_map(cls_map: np.ndarray, dtype_name: str, k: int) -> None:
     if cls_map.size != map_size(dtype_name):
         raise StreamError(f"class map has {cls_map.size} entries, not {map_size(dtype_name)}")
     if cls_map.size and int(cls_map.max()) >= k:
         raise StreamError(f"class map names class {int(cls_map.max())} of {k}")
-    n = sum(t.numel() for t in segments)
-    # each class's changes as ranks in its own position order; the kernel checks each rank
-    # against the class's population, which only the walk knows
-    ranks = [decode_gaps(gap_streams[j], GapMode.GAP8, tok_streams[j].size, 0, max(n, 1), torch.int64).numpy()
-             for j in range(k)]
-    starts = np.zeros(k + 1, dtype=np.int64)
-    starts[1:] = np.cumsum([r.size for r in ranks])
-    total = int(starts[-1])
-    flat_ranks = np.ascontiguousarray(np.concatenate(ranks) if total else np.zeros(1, np.int64))
-    pos = np.empty(max(total, 1), dtype=np.int64)
-    src = np.empty(max(total, 1), dtype=np.int64)
-    populations = np.zeros(k, dtype=np.int64)
-    cmap = np.ascontiguousarray(cls_map, dtype=np.uint8)
-    shift, nbits = _EXPONENT[dtype_name]
-    if segments[0].dtype == torch.uint8:  # exponent bytes (exponent_bytes), not bits
-        shift = 0
-    ptrs = np.array([t.data_ptr() for t in segments], dtype=np.uint64)
-    lens = np.array([t.numel() for t in segments], dtype=np.int64)
-    rc = lib.dcr_ctx_positions(ptrs.ctypes.data, lens.ctypes.data, len(segments), segments[0].element_size(), shift,
-                               nbits, cmap.ctypes.data, k, flat_ranks.ctypes.data, starts.ctypes.data,
-                               pos.ctypes.data, src.ctypes.data, populations.ctypes.data)
-    if rc < 0:
-        c = -rc - 1
-        raise StreamError(f"class {c} declares {tok_streams[c].size} changes among {int(populations[c])} positions")
-    if rc != total:  # a rank given twice names one position twice
-        raise StreamError(f"the classes' ranks name {rc} positions for {total} changes")
-    tok = np.ascontiguousarray(np.concatenate(tok_streams) if total else np.zeros(1, np.uint8))
-    w = escape_width(esc, bits_dtype)
-    values = torch.empty(total, dtype=bits_dtype)
-    esc = np.ascontiguousarray(esc)
-    if lib.dcr_ctx_values(src.ctypes.data, total, tok.ctypes.data, esc.ctypes.data, esc.size // w, w,
-                          values.data_ptr()) != 0:
-        raise StreamError("escape count does not match the token stream")
-    return torch.from_numpy(pos[:total]).to(idt), values
+
+
+def join_old(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str, gap_streams: list[np.ndarray],
+             tok_streams: list[np.ndarray], esc: np.ndarray, bits_dtype: torch.dtype,
+             idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """join() from the old bits of the chunk's range themselves (segments: flat bit views,
+    one after another; a batch's members), their rANS undone: the decoder without the
+    compiled library (join_coded's reference). It concatenates the segments and sorts the
+    whole range by class, far slower than a copy (docs/PERFORMANCE.md)."""
+    _check_map(cls_map, dtype_name, len(tok_streams))
+    old_bits = torch.cat([t.reshape(-1) for t in segments]) if len(segments) != 1 else segments[0]
+    return join(cls_map, exponents(old_bits, dtype_name), gap_streams, tok_streams, esc, bits_dtype, idt)
 
 
 # A class's coded stream as the chunk holds it (zstd undone): its bytes, its raw length, rANS-coded?
@@ -285,10 +250,7 @@ def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: st
     width = segments[0].element_size()
     if any(t.element_size() != width for t in segments):
         return None
-    if cls_map.size != map_size(dtype_name):
-        raise StreamError(f"class map has {cls_map.size} entries, not {map_size(dtype_name)}")
-    if cls_map.size and int(cls_map.max()) >= k:
-        raise StreamError(f"class map names class {int(cls_map.max())} of {k}")
+    _check_map(cls_map, dtype_name, k)
     desc = np.zeros(8 * k, dtype=np.int64)
     for j in range(k):
         (g, g_raw, g_rans), (t, t_raw, t_rans) = gap_streams[j], tok_streams[j]

@@ -62,17 +62,17 @@ def streams(info: DType, lo: int, hi: int, positions: torch.Tensor, vals: torch.
         old[torch.from_numpy(p)] = nv ^ vals
     k, gaps, toks = context.split(p, tok, cls_map, context.exponents(old, info.name))
     return vm, k, _pack(cls_map, [gap_stream(g, level) for g in gaps],
-                            [token_stream(t, ans_encode(t)) for t in toks], esc, level)
+                        [token_stream(t, ans_encode(t)) for t in toks], esc, level)
 
 
 def _native(lib, info: DType, lo: int, hi: int, positions: torch.Tensor, vals: torch.Tensor, nv: torch.Tensor,
-                walked: torch.Tensor, tok: np.ndarray, is_old: bool, level: int
-                ) -> tuple[np.ndarray, list[Stream], list[Stream]] | None:
+            walked: torch.Tensor, tok: np.ndarray, is_old: bool, level: int
+            ) -> tuple[np.ndarray, list[Stream], list[Stream]] | None:
     """dcr_ctx_encode: (class map, per class its gap stream, per class its token stream), or
     None where one class would do."""
     n, count = hi - lo, positions.numel()
     shift, nbits = context.exponent_field(info.name)
-    every = context.SAMPLE_EVERY if n >= 4 * context.SAMPLE_EVERY else context.SAMPLE_BLOCK
+    block, every = context.sample_plan(n)
     cap = 20480 + 3 * count + 2 * (n // 255) + 64
     out, optr = scratch("ctx", cap)
     meta, mptr = scratch("ctx_meta", 1 + 4 * context.MAX_CLASSES, np.int64)
@@ -81,7 +81,7 @@ def _native(lib, info: DType, lo: int, hi: int, positions: torch.Tensor, vals: t
     tok = np.ascontiguousarray(tok, dtype=np.uint8)
     rc = lib.dcr_ctx_encode(walked.data_ptr(), n, info.width, shift, nbits, int(is_old), positions.data_ptr(),
                             int(positions.dtype == torch.int64), count, lo, vals.data_ptr(), nv.data_ptr(),
-                            tok.ctypes.data, MIN_GAIN, context.SAMPLE_BLOCK, every, cls_map.ctypes.data, eptr,
+                            tok.ctypes.data, MIN_GAIN, block, every, cls_map.ctypes.data, eptr,
                             optr, cap, mptr)
     if rc == 1:
         return None
@@ -117,7 +117,7 @@ def gap_stream(g: np.ndarray, level: int, coded: bytes | None = b"") -> Stream:
 
 
 def _pack(cls_map: np.ndarray, gaps: list[Stream], toks: list[Stream], esc: np.ndarray,
-              level: int) -> list[Stream]:
+          level: int) -> list[Stream]:
     """A context-coded chunk's streams: the class map, each class's gaps, each class's tokens,
     the escapes (codec/context.py)."""
     return [(cls_map.size, *pack_stream(cls_map, level)), *gaps, *toks, (esc.size, *pack_stream(esc, level))]
