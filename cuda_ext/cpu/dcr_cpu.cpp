@@ -937,11 +937,13 @@ namespace {
 
 // The sender's side of context coding (ctx_ranks_walk below, for dcr_ctx_encode): the walk
 // reads the NEW bits of a chunk's range (the sender's baseline after the step, so no copy of
-// the old tensor is made) and corrects at the changed positions, the only ones whose old
-// exponent can differ: class c's count of old values before p is the new bits' count plus,
-// over changed q < p, +1 where q's old class is c and -1 where its new class is.
+// the old tensor is made) and ranks each change among the positions of its class in those
+// bits. Only a change whose old and new classes differ makes the old bits' counts differ:
+// class c's count of old values before p is the new bits' count plus, over changed q < p,
+// +1 where q's old class is c and -1 where its new class is. Such changes are rare (an
+// exponent moves at a binade's edge), so the walk leaves them to a pass after it.
 struct RankWalk {
-  int64_t cnt[16] = {0}, corr[16] = {0};
+  int64_t cnt[16] = {0};
   const int64_t* pos;
   const uint8_t* cold;
   const uint8_t* cnew;
@@ -955,11 +957,9 @@ static bool rank_scalar(RankWalk& w, const T* v, int64_t lo, int64_t hi, int shi
   for (int64_t i = lo; i < hi; ++i) {
     const int c = cls_map[(static_cast<uint32_t>(v[i]) >> shift) & mask];
     if (w.j < w.count && w.pos[w.j] == i) {
-      const int co = w.cold[w.j], cn = w.cnew[w.j];
-      if (cn != c) return false;  // the caller's new class disagrees with the bits
-      w.ranks[w.j++] = w.cnt[co] + w.corr[co];
-      ++w.corr[co];
-      --w.corr[cn];
+      if (w.cnew[w.j] != c) return false;  // the caller's new class disagrees with the bits
+      w.ranks[w.j] = w.cnt[w.cold[w.j]];
+      ++w.j;
     }
     ++w.cnt[c];
   }
@@ -968,65 +968,67 @@ static bool rank_scalar(RankWalk& w, const T* v, int64_t lo, int64_t hi, int shi
 
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
 // 64 elements a step, as ctx_simd: the classes by byte permutes, per class a compare and a
-// popcount; a changed position inside the block takes its class's count below it from the mask.
+// popcount; a change inside the block takes its class's count below it from the mask. The
+// changes of a block are ranked four at a time without a branch per change (a block holds
+// about 3 at 5%, and the data-dependent loop exit was most of the walk's cost): the four
+// after the last one ranked are all computed, and the ones past the block are written again
+// when their block comes (pos, cold and cnew hold 4 sentinel entries past count, ranks room
+// for them).
 template <class T>
 static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, int nbits, const uint8_t* map256) {
   const __m512i t0 = _mm512_loadu_si512(map256), t1 = _mm512_loadu_si512(map256 + 64);
   const __m512i t2 = _mm512_loadu_si512(map256 + 128), t3 = _mm512_loadu_si512(map256 + 192);
   const uint32_t mask = (1u << nbits) - 1;
-  int64_t cnt[16], corr[16];
-  for (int c = 0; c < 16; ++c) {
-    cnt[c] = w.cnt[c];
-    corr[c] = w.corr[c];
-  }
+  int64_t cnt[16];
+  for (int c = 0; c < 16; ++c) cnt[c] = w.cnt[c];
   const int64_t* __restrict pos = w.pos;
+  const uint8_t* __restrict cold = w.cold;
+  const uint8_t* __restrict cnew = w.cnew;
   int64_t* __restrict ranks = w.ranks;
-  int64_t j = w.j, next = j < w.count ? pos[j] : INT64_MAX;
+  int64_t j = w.j;
+  uint64_t bad = 0;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
-    if (next >= i + 64) {  // no change in the block: only the counts
+    const int64_t end = i + 64;
+    if (pos[j] >= end) {  // no change in the block: only the counts
       for (int c = 0; c < k; ++c)
         cnt[c] += __builtin_popcountll(_mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c))));
       continue;
     }
     uint64_t m[16];
     for (int c = 0; c < k; ++c) m[c] = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(c)));
-    while (next < i + 64) {
+    int64_t next = pos[j];
+    do {
       const int off = static_cast<int>(next - i);
-      const int co = w.cold[j], cn = w.cnew[j];
-      if (!((m[cn] >> off) & 1)) return -1;  // the caller's new class disagrees with the bits
-      const uint64_t below = off ? (~0ULL >> (64 - off)) : 0;
-      ranks[j] = cnt[co] + __builtin_popcountll(m[co] & below) + corr[co];
-      ++corr[co];
-      --corr[cn];
-      ++j;
-      const int64_t p = j < w.count ? pos[j] : INT64_MAX;
-      if (p <= next) return -1;  // not increasing
-      next = p;
-    }
+      const int co = cold[j];
+      bad |= ~(m[cnew[j]] >> off);  // the caller's new class disagrees with the bits
+      ranks[j] = cnt[co] + __builtin_popcountll(m[co] & ((uint64_t{1} << off) - 1));
+      next = pos[++j];
+    } while (next < end);
     for (int c = 0; c < k; ++c) cnt[c] += __builtin_popcountll(m[c]);
   }
-  for (int c = 0; c < 16; ++c) {
-    w.cnt[c] = cnt[c];
-    w.corr[c] = corr[c];
-  }
+  for (int c = 0; c < 16; ++c) w.cnt[c] = cnt[c];
   w.j = j;
-  return i;
+  return (bad & 1) ? -1 : i;
 }
 #endif
 
 // Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
 // to the range) its rank among the positions of its OLD class, the class being cls_map[old
 // exponent], read from the range's bits `cur` (the new ones: the sender's baseline) and the
-// classes of the changed positions (cold: of the old value, cnew: of the new one).
-// class_counts gets each old class's population. Returns 0, or -1 if the positions are not
-// increasing inside [0, n) or a new class disagrees with cur. Arguments unchecked: the
-// fused encoder (dcr_ctx_encode) makes the classes itself.
+// classes of the changed positions (cold: of the old value, cnew: of the new one). pos, cold
+// and cnew hold 4 entries past count (pos: >= n), ranks room for count + 4. class_counts
+// gets each old class's population. Returns 0, or -1 if the positions are not increasing
+// inside [0, n) or a new class disagrees with cur. Arguments otherwise unchecked: the fused
+// encoder (dcr_ctx_encode) makes the classes itself.
 static int64_t ctx_ranks_walk(const void* cur, int64_t n, int width, int shift, int nbits, const uint8_t* cls_map,
                               int k, const int64_t* pos, const uint8_t* cold, const uint8_t* cnew, int64_t count,
                               int64_t* ranks, int64_t* class_counts) {
   if (count && (pos[0] < 0 || pos[count - 1] >= n)) return -1;
+  bool unordered = false;
+  for (int64_t j = 1; j < count; ++j) unordered |= pos[j] <= pos[j - 1];
+  if (unordered) return -1;
   RankWalk w;
   w.pos = pos;
   w.cold = cold;
@@ -1044,14 +1046,20 @@ static int64_t ctx_ranks_walk(const void* cur, int64_t n, int width, int shift, 
       if (done < 0) return false;
     }
 #endif
-    if (w.j < count && w.j > 0 && pos[w.j] <= pos[w.j - 1]) return false;
-    for (int64_t j = w.j + 1; j < count; ++j)
-      if (pos[j] <= pos[j - 1]) return false;
     return rank_scalar(w, v, done, n, shift, mask, map256);
   };
   const bool ok = width == 2 ? walk(static_cast<const uint16_t*>(cur)) : walk(static_cast<const uint32_t*>(cur));
   if (!ok || w.j != count) return -1;
-  for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + w.corr[c];
+  // the changes whose class moved: each shifts the ranks of the later changes of both classes
+  int64_t corr[16] = {0};
+  int64_t first = 0;
+  while (first < count && cold[first] == cnew[first]) ++first;
+  for (int64_t j = first; j < count; ++j) {
+    ranks[j] += corr[cold[j]];
+    ++corr[cold[j]];
+    --corr[cnew[j]];
+  }
+  for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + corr[c];
   return 0;
 }
 
@@ -1177,6 +1185,9 @@ int64_t dcr_tokens(const void* vals, const void* newv, int64_t count, int width,
   if ((ulp || newv) && width == 1) return -9;
   if (ulp && !newv) return -9;
   if (hist) std::memset(hist, 0, sizeof(uint64_t) * 512);
+  // four banks of counters, summed at the end: a float delta's tokens are mostly one or two
+  // values, and one bank would make every increment wait on the one before
+  uint32_t banks[4][512] = {};
   int64_t e = 0;
   DISPATCH_WIDTH(width, {
     const T* v = static_cast<const T*>(vals);
@@ -1191,11 +1202,19 @@ int64_t dcr_tokens(const void* vals, const void* newv, int64_t count, int width,
       out[e] = x;
       e += big;
       if (hist) {
-        hist[raw >= T(255) ? 255 : raw]++;
-        if (nv) hist[256 + (z >= T(255) ? 255 : z)]++;
+        uint32_t* b = banks[i & 3];
+        b[raw >= T(255) ? 255 : raw]++;
+        if (nv) b[256 + (z >= T(255) ? 255 : z)]++;
+      }
+      if ((i & 0x3fffffff) == 0x3fffffff && hist) {  // flush before a 32-bit counter could wrap
+        for (auto& bk : banks)
+          for (int s = 0; s < 512; ++s) hist[s] += bk[s], bk[s] = 0;
       }
     }
   });
+  if (hist)
+    for (auto& bk : banks)
+      for (int s = 0; s < 512; ++s) hist[s] += bk[s];
   return e;
 }
 
@@ -1967,22 +1986,30 @@ extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shi
   if ((width != 2 && width != 4) || nbits < 1 || nbits > 8 || count < 1 || n < 1) return -100;
   const int size = 1 << nbits;
   const uint32_t mask = static_cast<uint32_t>(size - 1);
-  thread_local std::vector<int64_t> rel, ranks, sranks;
-  thread_local std::vector<uint8_t> e_old, e_new, cold, cnew, stok, gbuf;
-  thread_local std::vector<uint32_t> th;
-  rel.resize(count);
-  ranks.resize(count);
-  sranks.resize(count);
-  e_old.resize(count);
-  e_new.resize(count);
-  cold.resize(count);
-  cnew.resize(count);
-  stok.resize(count);
+  // per-thread scratch, reached through plain pointers: a thread_local in a shared library
+  // costs a __tls_get_addr call per use, and the loops below run once per change
+  thread_local std::vector<int64_t> rel_v, ranks_v, sranks_v;
+  thread_local std::vector<uint8_t> bytes_v, gbuf_v;
+  thread_local std::vector<uint32_t> th_v;
+  // rel, cold and cnew with 4 sentinel entries past count, ranks with room for them (the walk's)
+  rel_v.resize(count + 4);
+  ranks_v.resize(count + 4);
+  sranks_v.resize(count);
+  bytes_v.resize(5 * count + 8);
+  int64_t* const rel = rel_v.data();
+  int64_t* const ranks = ranks_v.data();
+  int64_t* const sranks = sranks_v.data();
+  uint8_t* const e_old = bytes_v.data();
+  uint8_t* const e_new = e_old + count;
+  uint8_t* const cold = e_new + count;
+  uint8_t* const cnew = cold + count + 4;
+  uint8_t* const stok = cnew + count + 4;
+  for (int t = 0; t < 4; ++t) rel[count + t] = n, cold[count + t] = 0, cnew[count + t] = 0;
   auto exps = [&](const auto* v, const auto* nv) {
     if (pos64) {
-      ctx_exps(static_cast<const int64_t*>(pos), v, nv, count, lo, shift, mask, rel.data(), e_old.data(), e_new.data());
+      ctx_exps(static_cast<const int64_t*>(pos), v, nv, count, lo, shift, mask, rel, e_old, e_new);
     } else {
-      ctx_exps(static_cast<const int32_t*>(pos), v, nv, count, lo, shift, mask, rel.data(), e_old.data(), e_new.data());
+      ctx_exps(static_cast<const int32_t*>(pos), v, nv, count, lo, shift, mask, rel, e_old, e_new);
     }
   };
   if (width == 2) {
@@ -1997,14 +2024,37 @@ extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shi
   if (seen < 0) return -100;
   int row[256], rows = 0;
   for (int e = 0; e < size; ++e) row[e] = -1;
-  for (int64_t j = 0; j < count; ++j) {
-    ++c[e_old[j]];
-    ++c_new[e_new[j]];
+  // The histograms below count into two banks (even and odd changes), summed after: most
+  // changes share a few exponents and tokens, and one bank makes each increment wait on the last.
+  {
+    int64_t c2[256] = {0}, cn2[256] = {0};
+    int64_t j = 0;
+    for (; j + 1 < count; j += 2) {
+      ++c[e_old[j]];
+      ++c_new[e_new[j]];
+      ++c2[e_old[j + 1]];
+      ++cn2[e_new[j + 1]];
+    }
+    for (; j < count; ++j) {
+      ++c[e_old[j]];
+      ++c_new[e_new[j]];
+    }
+    for (int e = 0; e < 256; ++e) c[e] += c2[e], c_new[e] += cn2[e];
   }
   for (int e = 0; e < size; ++e)
     if (c[e]) row[e] = rows++;
-  th.assign(static_cast<size_t>(rows) * 256, 0);
-  for (int64_t j = 0; j < count; ++j) ++th[256 * static_cast<int64_t>(row[e_old[j]]) + tok[j]];
+  th_v.assign(static_cast<size_t>(rows) * 512, 0);
+  uint32_t* const th = th_v.data();
+  {
+    uint32_t* const th2 = th + static_cast<int64_t>(rows) * 256;
+    int64_t j = 0;
+    for (; j + 1 < count; j += 2) {
+      ++th[256 * static_cast<int64_t>(row[e_old[j]]) + tok[j]];
+      ++th2[256 * static_cast<int64_t>(row[e_old[j + 1]]) + tok[j + 1]];
+    }
+    for (; j < count; ++j) ++th[256 * static_cast<int64_t>(row[e_old[j]]) + tok[j]];
+    for (int64_t i = 0; i < static_cast<int64_t>(rows) * 256; ++i) th[i] += th2[i];
+  }
   double nest[256];
   const double scale = static_cast<double>(n) / static_cast<double>(std::max<int64_t>(seen, 1));
   for (int e = 0; e < size; ++e) {
@@ -2012,54 +2062,75 @@ extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shi
     if (!is_old) nest[e] += static_cast<double>(c[e] - c_new[e]);
     nest[e] = std::max(nest[e], 0.0);
   }
-  ctx_choose(nest, c, th.data(), row, size, cls_map, est[0], est[1]);
+  ctx_choose(nest, c, th, row, size, cls_map, est[0], est[1]);
   if (est[0] > min_gain * est[1]) return 1;
   int k = 1;
   for (int e = 0; e < size; ++e) k = std::max(k, cls_map[e] + 1);
+  // each change's old and new class, and the classes' change counts (the sort's starts)
+  int64_t start[17] = {0};
   for (int64_t j = 0; j < count; ++j) {
-    cold[j] = cls_map[e_old[j]];
-    cnew[j] = is_old ? cold[j] : cls_map[e_new[j]];
+    const uint8_t co = cls_map[e_old[j]];
+    cold[j] = co;
+    cnew[j] = is_old ? co : cls_map[e_new[j]];
+    ++start[co + 1];
   }
   int64_t pops[16] = {0};
-  if (ctx_ranks_walk(cur, n, width, shift, nbits, cls_map, k, rel.data(), cold.data(), cnew.data(), count,
-                     ranks.data(), pops) != 0)
-    return -1;
-  // Counting sort by old class, each class in position order.
-  int64_t start[17] = {0};
-  for (int64_t j = 0; j < count; ++j) ++start[cold[j] + 1];
+  if (ctx_ranks_walk(cur, n, width, shift, nbits, cls_map, k, rel, cold, cnew, count, ranks, pops) != 0) return -1;
+  // Counting sort by old class, each class in position order, with each class's token histogram.
   for (int j = 0; j < k; ++j) start[j + 1] += start[j];
   int64_t at[16];
   std::memcpy(at, start, sizeof(at));
+  thread_local std::vector<uint64_t> tokh_v;
+  tokh_v.assign(static_cast<size_t>(k) * 512, 0);
+  uint64_t* const tokh = tokh_v.data();
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t d = at[cold[j]]++;
+    const int co = cold[j];
+    const int64_t d = at[co]++;
     sranks[d] = ranks[j];
     stok[d] = tok[j];
+    ++tokh[256 * (2 * co + (j & 1)) + tok[j]];
   }
+  for (int j = 0; j < k; ++j)  // bank 0 of class j ends up at 256 j, where the coder reads it
+    for (int s = 0; s < 256; ++s) tokh[256 * j + s] = tokh[512 * j + s] + tokh[512 * j + 256 + s];
   meta[0] = k;
   int64_t o = 0;
   for (int j = 0; j < k; ++j) {
     const int64_t a = start[j], b = start[j + 1], m = b - a;
-    // GAP8 of the class's ranks; a rank never repeats or leaves [0, population)
-    gbuf.resize(static_cast<size_t>(m + pops[j] / 255 + 16));
+    // GAP8 of the class's ranks, written straight into out, with its histogram; a rank never
+    // repeats or leaves [0, population)
+    const int64_t room = m + pops[j] / 255 + 16;
+    gbuf_v.resize(static_cast<size_t>(room));
+    uint8_t* const gbuf = gbuf_v.data();
+    uint64_t h[256] = {0}, h2[256] = {0};  // two banks, as above
     int64_t g = 0, prev = -1;
-    for (int64_t i = a; i < b; ++i)
-      if (gap8_put(sranks[i], prev, pops[j], gbuf.data(), static_cast<int64_t>(gbuf.size()), g) != 0) return -1;
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t p = sranks[i];
+      if (p <= prev || p >= pops[j]) return -1;
+      int64_t gap = p - prev - 1;
+      prev = p;
+      if (gap >= 255) {
+        const int64_t reps = gap / 255;
+        std::memset(gbuf + g, 255, reps);
+        g += reps;
+        h[255] += reps;
+        gap -= reps * 255;
+      }
+      gbuf[g++] = static_cast<uint8_t>(gap);
+      ++(i & 1 ? h2 : h)[gap];
+    }
+    for (int s = 0; s < 256; ++s) h[s] += h2[s];
     int64_t* mt = meta + 1 + 4 * j;
     if (cap - o < g) return -2;
-    std::memcpy(out + o, gbuf.data(), g);
+    std::memcpy(out + o, gbuf, g);
     o += g;
     mt[0] = g;
-    uint64_t h[256] = {0};
-    for (int64_t i = 0; i < g; ++i) ++h[gbuf[i]];
-    int64_t r = g ? ans_encode_with(h, g, [&](int64_t i) { return gbuf[i]; }, out + o, cap - o) : -1;
+    int64_t r = g ? ans_encode_with(h, g, [gbuf](int64_t i) { return gbuf[i]; }, out + o, cap - o) : -1;
     mt[1] = r >= 0 && r < g ? r : 0;
     o += mt[1];
     // the class's tokens, rANS-coded where smaller (encode.py _token_stream)
     mt[2] = m;
-    std::memset(h, 0, sizeof(h));
-    for (int64_t i = a; i < b; ++i) ++h[stok[i]];
-    const uint8_t* ts = stok.data() + a;
-    r = m ? ans_encode_with(h, m, [&](int64_t i) { return ts[i]; }, out + o, cap - o) : -1;
+    const uint8_t* ts = stok + a;
+    r = m ? ans_encode_with(tokh + 256 * j, m, [ts](int64_t i) { return ts[i]; }, out + o, cap - o) : -1;
     if (r >= 0 && r < m) {
       mt[3] = r;
     } else {
