@@ -57,9 +57,12 @@ class CommitPolicy:
 
 # When a sender context-codes a chunk (codec/context.py: smaller, but a walk over the chunk's
 # range costs about a copy of it): "on", wherever the coding comes out smaller; "auto", where
-# it comes out smaller while the upload is behind (a part's worth of bytes still queued for
-# the link: the CPU would otherwise wait); "off", never. On a fast link the walk costs more
-# time than the bytes it saves (docs/PERFORMANCE.md).
+# it comes out smaller while the sender is ahead of the link (a part's worth of bytes more
+# than the link has carried: the CPU would otherwise wait); "off", never. On a fast link the
+# walk costs more time than the bytes it saves (docs/PERFORMANCE.md). Ahead of which link:
+# with link_mbit, the receivers' (this sender's share of it); without, its own upload's
+# (parts queued and not yet stored), which is the same where the store sits behind that link
+# and says nothing where the store is near the sender and the receivers far from it.
 CONTEXT_MODES = ("auto", "on", "off")
 
 
@@ -70,6 +73,11 @@ def context_mode(value: str | bool) -> str:
     if value not in CONTEXT_MODES:
         raise ValueError(f"context must be one of {', '.join(CONTEXT_MODES)} (or true / false), not {value!r}")
     return value
+
+
+def check_link(link_mbit: float | None) -> None:
+    if link_mbit is not None and not link_mbit > 0:
+        raise ValueError(f"link_mbit must be a positive rate in Mbit/s (or unset), not {link_mbit!r}")
 
 
 @dataclass
@@ -88,10 +96,12 @@ class PublisherConfig:
     nice: int = 19  # the worker's nice value (19, in a process: only on otherwise idle CPU)
     resume: bool = False  # a store with versions: rebase on its last committed one (a restarted job)
     context: str = "auto"  # context coding: auto | on | off (CONTEXT_MODES)
+    link_mbit: float | None = None  # the receivers' link, shared by every rank (CONTEXT_MODES); None: unknown
 
     def __post_init__(self):
         check_baseline_option(self.baseline)
         self.context = context_mode(self.context)
+        check_link(self.link_mbit)
         if self.worker not in ("process", "thread"):
             raise ValueError(f"worker must be 'process' or 'thread', not {self.worker!r}")
 
@@ -155,6 +165,7 @@ class DCRConfig:
     baseline: str = PublisherConfig.baseline  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory
     resume: bool = True  # a store with versions: rebase on its last committed one (a restarted job)
     context: str = PublisherConfig.context  # context coding: auto | on | off (CONTEXT_MODES)
+    link_mbit: float | None = PublisherConfig.link_mbit  # the receivers' link (Mbit/s): what auto keeps ahead of
 
     def __post_init__(self):  # bad options are refused when the trainer is built, not at its first step
         if self.every_n_steps < 1:
@@ -175,4 +186,4 @@ class DCRConfig:
         return PublisherConfig(max_pending_bytes=self.max_pending_bytes, span=self.chunk_span, level=self.zstd_level,
                                seal_timeout=self.seal_timeout, policy=self.commit_policy_config(),
                                part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume,
-                               context=self.context)
+                               context=self.context, link_mbit=self.link_mbit)

@@ -14,6 +14,9 @@ refit realises. Then the dense refit of the final weights goes through the same 
 transport-only time (the checkpoint's bytes over the link, the reference the speed-ups use)
 and its store-and-forward time (serialise, upload, download, load) are both reported, and
 the receiver compares its DCR-built tensors with the dense download bit for bit (the oracle).
+The sender is told the link's rate (dcr.link_mbit, as a user would set it for the receivers'
+link; --no-link-hint: not), which `auto` context coding keeps ahead of: its own uploads go
+to a store on its side of the link and never queue.
 
 Needs root (ip netns, tc). Writes benchmarks/results/refit.json with --json.
 """
@@ -107,7 +110,8 @@ def _ctx_share(taken, cur: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int = 1 << 20,
         json_path: str | None = None, seed: int = 0, apply: str = "sealed", repeats: int = 3,
-        deltas: tuple[str, ...] = DELTAS, context_share: bool = True, context: str = "auto") -> dict:
+        deltas: tuple[str, ...] = DELTAS, context_share: bool = True, context: str = "auto",
+        link_hint: bool = True) -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback.bench.fp8 import ulp_step
@@ -137,7 +141,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
                        "--versions", str(len(plan)), "--apply", apply], env, work / "receiver.log")
         next_line = rx.next
         next_line()  # receiver ready (registered, holding version 0)
-        sender = TensorSender(cur, context=context)
+        sender = TensorSender(cur, context=context, link_mbit=mbit if link_hint else None)
         print(f"link {mbit:.0f} Mbit/s (tbf, veth between namespaces), model {dense_bytes / 1e9:.2f} GB BF16, "
               f"S3 = SeaweedFS at {s3.endpoint}", flush=True)
         for v, (kind, rate, lr) in enumerate(plan, start=1):
@@ -204,6 +208,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
            "link_bytes_per_s": link_bps, "dense_s": dense_s, "dense_upload_s": t_up - t0,
            "dense_transport_s": dense_transport_s, "rows_by_deltas": by_kind,
            "dense_bit_exact_with_dcr": got["bit_exact"], "part_bytes": part_bytes, "apply": apply, "context": context,
+           "link_hint_mbit": mbit if link_hint else None,
            "repeats": repeats, "rows": rows, "versions": versions,
            "machine": machine(), "wall_s": time.time() - t_start}
     print(f"\nmedian of {repeats} version(s) per change rate (receiver apply: {apply}); dense: "

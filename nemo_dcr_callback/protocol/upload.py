@@ -8,6 +8,8 @@ list of chunks with write_rank.
 
 from __future__ import annotations
 
+import time
+
 import xxhash
 
 from nemo_dcr_callback.codec import digest
@@ -38,12 +40,22 @@ class RankWriter:
         self._size = 0
         self._futs: list = []
         self._sizes: dict[int, int] = {}  # id(future) -> its part's bytes
+        self._sent = 0  # bytes of the parts handed to the store
+        self._t_first: float | None = None  # when the first part was handed over
 
     def backlog(self) -> int:
         """Bytes of parts handed to the store and not yet uploaded: where this stays above a
         part, the link, not the encoder, is the bottleneck (a sender then has CPU to spare for
         a smaller coding). A store without a pool uploads in add(): never a backlog."""
         return sum(self._sizes.get(id(f), 0) for f in self._futs if not f.done())
+
+    def ahead(self, link_bytes_per_s: float) -> float:
+        """Bytes handed to the store beyond what a link of this rate has carried since the
+        first part: the backlog of a link the sender cannot see (the receivers', where the
+        store is near the sender). Chunks not yet in a part count too: they will be."""
+        if self._t_first is None:
+            return float(self._size)
+        return self._sent + self._size - link_bytes_per_s * (time.monotonic() - self._t_first)
 
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)
@@ -60,6 +72,9 @@ class RankWriter:
         self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
                                   checksum=xxhash.xxh3_64_hexdigest(data)))
         self._buf, self._size = [], 0
+        self._sent += len(data)
+        if self._t_first is None:
+            self._t_first = time.monotonic()
         pool = getattr(self.store, "executor", None)
         if pool is None:
             self.store.put(key, data, durable=False)

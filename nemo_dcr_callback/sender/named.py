@@ -24,7 +24,7 @@ import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.config import PART_BYTES, CommitPolicy, context_mode
+from nemo_dcr_callback.config import PART_BYTES, CommitPolicy, check_link, context_mode
 from nemo_dcr_callback.core import cuda_kernels
 from nemo_dcr_callback.core.delta import Scratch, undo
 from nemo_dcr_callback.core.rawbits import SparseDelta
@@ -49,13 +49,15 @@ class NamedSender:
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu",
-                 context: str | bool = "auto"):
+                 context: str | bool = "auto", link_mbit: float | None = None):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
         # context coding (codec/context.py; when: config.CONTEXT_MODES) from the baselines,
         # which hold the new bits once a delta is taken; host baselines only (a GPU one would be
         # read back whole each version)
         self.context = context_mode(context)
+        check_link(link_mbit)
+        self.link_mbit = link_mbit  # the receivers' link, shared by the world senders (context="auto")
         self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
         cuda_kernels.check_baseline_option(baseline)
         self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
@@ -93,7 +95,7 @@ class NamedSender:
         """Encode and stream one version's chunks (parts uploaded as they fill), then the
         manifest with the moved digests (kept, for the next version, by settle())."""
         w = upload.RankWriter(store, v, base, self.rank, self.world, part_bytes=part_bytes)
-        context_now = context_gate(self.context, w)
+        context_now = context_gate(self.context, w, self.link_mbit, self.world)
         dig = dict(self.digests)
         params = changed = 0
         for n, d in taken:
@@ -139,7 +141,7 @@ class NamedPublisher:
     def __init__(self, store, tensors: Tensors | None, *, policy: CommitPolicy | None = None,
                  config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, context: str | bool = "auto",
-                 log: Callable[[str], None] | None = None):
+                 link_mbit: float | None = None, log: Callable[[str], None] | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()
         self.behind: list[str] = []  # receivers the last decision marked lagging (run_commit)
@@ -161,7 +163,7 @@ class NamedPublisher:
                 _check_names(held, current, f"the store's version {last}")
                 held = {n: t.to(current[n].device) for n, t in held.items()}
         self.last, self.newest = last, newest  # last committed; newest version number used
-        self.sender = NamedSender(held, span=span, level=level, context=context)
+        self.sender = NamedSender(held, span=span, level=level, context=context, link_mbit=link_mbit)
         self.sender.tensors = {}  # publish passes the tensors each time: hold the baselines only
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:

@@ -103,10 +103,10 @@ class Publisher:
         cfg = self.config
         light = Placement([replace(pm, param=None) for pm in self.placement.params], self.placement.canonical,
                           self.placement.dtype)
+        runs = self.sender.context_runs() if context_possible(cfg.context, self.store, cfg.link_mbit) else None
         spec = WorkerSpec(light, self.store.url, self.rank, self.world, cfg.span, cfg.level, cfg.seal_timeout,
-                          cfg.nice, self.policy, base_version, self.sender.digests(), cfg.part_bytes,
-                          self.sender.context_runs() if context_possible(cfg.context, self.store) else None,
-                          cfg.context)
+                          cfg.nice, self.policy, base_version, self.sender.digests(), cfg.part_bytes, runs,
+                          cfg.context, cfg.link_mbit)
         if self._process:
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()

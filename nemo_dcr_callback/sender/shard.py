@@ -52,16 +52,21 @@ def _take(cur: torch.Tensor, base: torch.Tensor, scratch: Scratch, side: cuda_ke
     return take_delta(cur, base, keep_new=True, scratch=scratch, out=out, threads=threads)
 
 
-def context_possible(mode: str, store) -> bool:
-    """Can context coding happen on this store at all? auto codes only while uploads queue, and a
-    store that uploads in the caller (no pool: a file store) never queues: then the worker keeps
-    no mirror (its host copy, and moving it each version, would cost for nothing)."""
-    return mode == "on" or (mode == "auto" and getattr(store, "executor", None) is not None)
+def context_possible(mode: str, store, link_mbit: float | None = None) -> bool:
+    """Can context coding happen on this store at all? auto without a link rate codes only while
+    uploads queue, and a store that uploads in the caller (no pool: a file store) never queues:
+    then the worker keeps no mirror (its host copy, and moving it each version, would cost for
+    nothing). With the receivers' link rate auto measures against that, on any store."""
+    return mode == "on" or (mode == "auto" and (bool(link_mbit) or getattr(store, "executor", None) is not None))
 
 
-def context_gate(mode: str, writer) -> Callable[[], bool]:
-    """Whether to try context coding now (config.CONTEXT_MODES), given the upload's RankWriter."""
+def context_gate(mode: str, writer, link_mbit: float | None = None, world: int = 1) -> Callable[[], bool]:
+    """Whether to try context coding now (config.CONTEXT_MODES), given the upload's RankWriter
+    and the receivers' link (Mbit/s, shared by the world ranks; None: the upload's backlog)."""
     if mode == "auto":
+        if link_mbit:
+            share = link_mbit * 1e6 / 8 / max(world, 1)
+            return lambda: writer.ahead(share) >= writer.part_bytes
         return lambda: writer.backlog() >= writer.part_bytes
     return (lambda: True) if mode == "on" else (lambda: False)
 

@@ -55,6 +55,7 @@ class WorkerSpec:
     # (config.CONTEXT_MODES)
     context_runs: dict | None = None
     context: str = "auto"
+    link_mbit: float | None = None  # the receivers' link, for context="auto" (config.CONTEXT_MODES)
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,9 @@ class _Worker:
             mirror = self.encoder.mirror
             if mirror is not None:
                 mirror.begin(job.version, job.base)
+            gate = context_gate(spec.context, w, spec.link_mbit, spec.world)
             try:
-                ss = self.encoder.encode(taken, emit=w.add, digests=dig, context_now=context_gate(spec.context, w))[1]
+                ss = self.encoder.encode(taken, emit=w.add, digests=dig, context_now=gate)[1]
             except BaseException:
                 if mirror is not None:
                     mirror.end(False)

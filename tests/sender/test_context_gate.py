@@ -1,14 +1,17 @@
-"""dcr.context=auto: a sender context-codes only while its upload is behind (a part's worth of
-bytes still queued for the link), and codes plain while the link keeps up, so on a fast link
-the walk over each chunk's range (about a copy of it) is not paid for bytes that cost nothing.
-The slow link is stood in for by a file store whose part uploads each take 0.3 s on a pool
-(no shaped link runs inside a unit test; bench refit runs the real one, tbf over veth)."""
+"""dcr.context=auto: a sender context-codes only while it is ahead of the link (a part's worth
+of bytes more than the link has carried), and codes plain while the link keeps up, so on a
+fast link the walk over each chunk's range (about a copy of it) is not paid for bytes that
+cost nothing. The link is its own upload's (parts still queued), or, given link_mbit, the
+receivers' (the store near the sender, the receivers far: its uploads never queue). The slow
+upload is stood in for by a file store whose part uploads each take 0.3 s on a pool (no
+shaped link runs inside a unit test; bench refit runs the real one, tbf over veth)."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from nemo_dcr_callback import codec
@@ -81,3 +84,30 @@ def test_no_mirror_where_auto_can_never_context_code(tmp_path):
     files, pooled = FileStore(tmp_path / "f"), _SlowLink(tmp_path / "s")
     assert [context_possible(m, files) for m in ("auto", "on", "off")] == [False, True, False]
     assert [context_possible(m, pooled) for m in ("auto", "on", "off")] == [True, True, False]
+
+
+@pytest.mark.parametrize("link_mbit, expect", [(None, "plain"), (1.0, "mixed"), (1e6, "plain")])
+def test_auto_keeps_ahead_of_the_receivers_link(tmp_path, link_mbit, expect):
+    """A store that never queues (a file store) with the receivers' link given: at 1 Mbit/s the
+    sender is soon a part ahead of it and codes context from then on; on a link far faster
+    than its encoding it never is, nor without a link rate. Every case lands on the new bits."""
+    states = _states()
+    pub = NamedPublisher(FileStore(tmp_path), states[0], context="auto", part_bytes=64 << 10, link_mbit=link_mbit)
+    assert pub.publish(states[1])["committed"]
+    coded = _coded(FileStore(tmp_path), 1)
+    assert not coded[0]  # the first part: nothing sent yet, so nothing to be ahead of
+    assert any(coded) == (expect == "mixed"), coded
+    held = {k: t.clone() for k, t in states[0].items()}
+    Follower(FileStore(tmp_path), held).follow(until=1, timeout=30)
+    assert same_bits(held, states[1])
+
+
+def test_a_link_rate_makes_auto_possible_on_any_store_and_is_checked(tmp_path):
+    from nemo_dcr_callback.config import DCRConfig
+    from nemo_dcr_callback.sender.shard import context_possible
+
+    assert context_possible("auto", FileStore(tmp_path), 100.0)
+    assert not context_possible("off", FileStore(tmp_path), 100.0)
+    for bad in (0, -5.0):
+        with pytest.raises(ValueError, match="link_mbit must be a positive rate"):
+            DCRConfig(link_mbit=bad)
