@@ -121,6 +121,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receiver-device", choices=["gpu", "cpu"], default="gpu")
     p.add_argument("--receiver-cores", type=positive, default=8, help="GPUs or cores per receiver")
     p.add_argument("--part-mb", type=float, default=4.0)
+    p.add_argument("--context", choices=["auto", "on", "off"], default="auto",
+                   help="context coding: auto (the share with the shortest refit, as dcr.context=auto with "
+                        "dcr.link_mbit set), on, off")
     p.add_argument("--validate", action="store_true", help="predict every benchmarked configuration vs measured")
     p.add_argument("--scenarios", action="store_true", help="the paper's scenarios (30B/235B/1T)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
@@ -151,7 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
                             regions=args.regions, receivers=args.receivers, transport=args.transport,
                             fanout=args.fanout, relay_cores=args.relay_cores, intra_MBps=args.intra_mbps,
                             receiver_device=args.receiver_device, receiver_cores=args.receiver_cores,
-                            part_MB=args.part_mb)
+                            part_MB=args.part_mb, context=args.context)
     p = planner.plan(inp, planner.Coefficients.load(results))
     if args.json:
         planner.write_json(args.json, p)

@@ -43,6 +43,9 @@ def _interp(table: dict[float, float], rate: float) -> float:
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
+_BY_RATE = ("ratio", "kernel", "encode", "decode", "apply", "ctx_ratio", "ctx_encode", "ctx_decode")
+
+
 @dataclass
 class Coefficients:
     """Measured rates (GB/s of dense input per core unless said), with where each came from."""
@@ -63,6 +66,11 @@ class Coefficients:
     # relay run (sender + committer, the object store, the root relay, a region relay serving
     # one receiver, one receiver) and that run's dense and payload bytes; None: not measured
     host_cpu: dict[str, float] | None = None
+    # context coding (codec.json "context"): its ratio, its encode from the new bits and its
+    # decode from the old ones (apply excluded), GB/s of dense input per core; None: not measured
+    ctx_ratio: dict[float, float] | None = None
+    ctx_encode: dict[float, float] | None = None
+    ctx_decode: dict[float, float] | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -74,15 +82,17 @@ class Coefficients:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for k in ("ratio", "kernel", "encode", "decode", "apply"):
-            d[k] = {repr(x): y for x, y in d[k].items()}  # JSON keys are strings; repr round-trips floats
+        for k in _BY_RATE:
+            if d[k] is not None:
+                d[k] = {repr(x): y for x, y in d[k].items()}  # JSON keys are strings; repr round-trips floats
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> Coefficients:
         d = dict(d)
-        for k in ("ratio", "kernel", "encode", "decode", "apply"):
-            d[k] = {float(x): y for x, y in d[k].items()}
+        for k in _BY_RATE:
+            if d.get(k) is not None:
+                d[k] = {float(x): y for x, y in d[k].items()}
         return cls(**d)
 
     @classmethod
@@ -120,13 +130,22 @@ class Coefficients:
                    "gpu_apply_gbps": statistics.median(r["apply_gbps"] for r in grows)}
             gpu_source = (f"cuda.json ({cuda['device']}): medians over its rows of the delta pass with new values "
                           "and of the XOR apply, GB/s of shard input")
+        ctx: dict = {}
+        if all("context_encode" in r["gbps_per_core"] for r in rows.values()):
+            g = {x: r["gbps_per_core"] for x, r in rows.items()}
+            ctx = {"ctx_ratio": {x: r["context"]["ratio"] for x, r in rows.items()},
+                   "ctx_encode": {x: g[x]["context_encode"] for x in g},
+                   # decode + apply measured together; the apply is the plain one's (after the decision)
+                   "ctx_decode": {x: 1 / (1 / g[x]["context_decode_apply"] - 1 / g[x]["apply"]) for x in g}}
         return cls(ratio={x: r["ratio"]["codec"] for x, r in rows.items()}, kernel=per["kernel_input"],
                    encode=per["encode"], decode=per["decode"], apply=per["apply"], link_efficiency=eff,
                    request_s=req, receiver_overhead_cpu_s=over,
-                   relay_gbps_per_core=relay["relay_loopback"]["relay_MB_per_cpu_s"] / 1e3,
+                   relay_gbps_per_core=relay["relay_loopback"]["relay_MB_per_cpu_s"] / 1e3, **ctx,
                    store_put_MBps=refit["dense_bytes"] / refit["dense_upload_s"] / 1e6, host_cpu=host_cpu,
                    sources={
                        "ratio, kernel, encode, decode, apply": "codec.json (nemo-dcr bench codec: per core, medians)",
+                       "ctx_ratio, ctx_encode, ctx_decode": "codec.json's context columns (ctx_decode: decode + "
+                                                            "apply less the apply)" if ctx else "not in codec.json",
                        "link_efficiency": "refit.json: dense download bytes / time / nominal tbf rate",
                        "request_s": "refit.json: median ack -> decision time at the receiver",
                        "receiver_overhead_cpu_s": "relay.json dcr-relay-1: receiver CPU-s per version minus "
@@ -159,23 +178,47 @@ class PlanInput:
     receiver_cores: int = 1  # cores (or GPUs) one receiver decodes and applies with
     host_cores: int = 0  # >0: all receivers (every region) share this many cores (one test machine)
     part_MB: float = 4.0
+    # context coding (config.CONTEXT_MODES): on, off, or auto with the receivers' link known
+    # (dcr.link_mbit): the share of chunks context-coded that makes the refit shortest
+    context: str = "auto"
+
+
+CONTEXT_SHARES = tuple(i / 20 for i in range(21))  # the shares auto is evaluated at
 
 
 def plan(inp: PlanInput, co: Coefficients) -> dict:
-    """The breakdown, the streamed critical path, total and dense refit times (seconds)."""
+    """The breakdown, the streamed critical path, total and dense refit times (seconds), with
+    the share of chunks context-coded (context_share): 1 for on, 0 for off or where context
+    coding was not measured, for auto the share whose refit is shortest (what a sender that
+    keeps just ahead of the link ends up coding)."""
     if inp.transport not in ("relay", "s3"):
         raise ValueError(f"transport must be relay or s3, not {inp.transport!r}")
     if not 0 < inp.rate < 1:
         raise ValueError("rate must be in (0, 1)")
+    if inp.context not in ("auto", "on", "off"):
+        raise ValueError(f"context must be auto, on or off, not {inp.context!r}")
+    if co.ctx_ratio is None or inp.context == "off":
+        shares: tuple[float, ...] = (0.0,)
+    else:
+        shares = (1.0,) if inp.context == "on" else CONTEXT_SHARES
+    return min((_plan(inp, co, f) for f in shares), key=lambda p: p["total_s"])
+
+
+def _mix(plain: float, ctx: dict[float, float] | None, f: float, rate: float) -> float:
+    """Seconds (or bytes) per unit of dense input with a share f coded context (1/x mixed)."""
+    return (1 - f) / plain + (f / _interp(ctx, rate) if f else 0.0)
+
+
+def _plan(inp: PlanInput, co: Coefficients, f: float) -> dict:
     D = inp.params * inp.dtype_bytes  # dense bytes
-    P = D / _interp(co.ratio, inp.rate)  # payload bytes per version
+    P = D * _mix(_interp(co.ratio, inp.rate), co.ctx_ratio, f, inp.rate)  # payload bytes per version
     shard = D / inp.senders
     gb = 1e9
     if inp.sender_device == "gpu":
         kernel = shard / (co.gpu_kernel_gbps * gb)
     else:
         kernel = shard / (_interp(co.kernel, inp.rate) * gb * inp.encode_cores)
-    encode = shard / (_interp(co.encode, inp.rate) * gb * inp.encode_cores)
+    encode = shard * _mix(_interp(co.encode, inp.rate), co.ctx_encode, f, inp.rate) / (gb * inp.encode_cores)
     upload = P / (inp.upload_MBps * 1e6) if inp.upload_MBps else 0.0
     link = inp.link_MBps * 1e6 * co.link_efficiency
     R = inp.receivers
@@ -189,12 +232,12 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
         egress = min(inp.fanout, R) * P
         fan = max(egress / (inp.intra_MBps * 1e6), egress / (co.relay_gbps_per_core * gb * inp.relay_cores))
     # receivers: decode while parts stream in; apply after the decision
-    dec_rate = _interp(co.decode, inp.rate) * gb * inp.receiver_cores
+    dec_per_byte = _mix(_interp(co.decode, inp.rate), co.ctx_decode, f, inp.rate) / (gb * inp.receiver_cores)
     if inp.receiver_device == "gpu":
         app = D / (co.gpu_apply_gbps * gb * inp.receiver_cores)
     else:
         app = D / (_interp(co.apply, inp.rate) * gb * inp.receiver_cores)
-    decode = D / dec_rate
+    decode = D * dec_per_byte
     protocol = co.receiver_overhead_cpu_s  # manifests, record, ack, decision, digests: after the last part
     share = 1.0
     if inp.host_cores:  # receivers sharing one machine's cores
@@ -224,7 +267,7 @@ def plan(inp: PlanInput, co: Coefficients) -> dict:
             "breakdown_s": {"kernel": kernel, "encode": encode, "upload": upload, "inter-region": inter,
                             "fan-out": fan, "decode": decode, "first part": first, "receiver protocol": protocol,
                             "commit": commit, "apply": app},
-            "critical_path": slowest, "streamed_s": streamed, "total_s": total,
+            "critical_path": slowest, "streamed_s": streamed, "total_s": total, "context_share": f,
             "dense_one_copy_s": dense_one, "dense_s3_s": dense_s3}
 
 
@@ -251,11 +294,22 @@ def _host_cpu_floor(inp: PlanInput, co: Coefficients, D: float, P: float) -> flo
 HELD_OUT = ("refit_holdout.json",)
 
 
+def _run_context(run: dict) -> str:
+    """The context mode a benchmark's sender ran with, as the planner models it: auto without
+    the receivers' link rate codes plain there (its uploads go to a store on its own host and
+    never queue)."""
+    mode = run.get("context", "auto")
+    if mode == "auto" and not run.get("link_hint_mbit"):
+        return "off"
+    return mode
+
+
 def _refit_cases(refit: dict, put: float, label: str, held_out: bool) -> list[tuple[str, PlanInput, float, bool]]:
     return [(f"bench refit {label}{100 * r['target_rate']:.0f}% (S3, 1 receiver)",
              PlanInput(refit["params"], r["target_rate"], senders=1, encode_cores=1, upload_MBps=put,
                        link_MBps=refit["link_bytes_per_s"] / 1e6, transport="s3", receivers=1, receiver_cores=1,
-                       host_cores=2, part_MB=refit["part_bytes"] / 1e6), r["e2e_s"], held_out)
+                       host_cores=2, part_MB=refit["part_bytes"] / 1e6, context=_run_context(refit)),
+             r["e2e_s"], held_out)
             for r in refit["rows"]]
 
 
@@ -277,7 +331,7 @@ def validation_cases(results: Path = RESULTS, co: Coefficients | None = None
                               link_MBps=relay["link_mbit"] / 8,
                               transport="s3" if s["scenario"] == "dcr-s3" else "relay",
                               receivers=n, regions=2 if s["receivers"] > 1 else 1, receiver_cores=1,
-                              host_cores=2, part_MB=1.0), s["time_s"], False))
+                              host_cores=2, part_MB=1.0, context=_run_context(relay)), s["time_s"], False))
     for name in HELD_OUT:
         if (results / name).exists():
             held = json.loads((results / name).read_text())
@@ -324,6 +378,7 @@ def print_plan(p: dict) -> None:
         mark = "  <- critical path" if k == p["critical_path"] or (k == "kernel" and p["critical_path"] ==
                                                                    "kernel+encode") else ""
         print(f"  {k:<17} {v:9.3f} s{mark}")
+    print(f"context-coded share of the chunks: {p['context_share']:.0%}")
     print(f"streamed stages overlapped: {p['streamed_s']:.2f} s; total refit {p['total_s']:.2f} s")
     print(f"dense refit on the same link: {p['dense_one_copy_s']:.1f} s (one copy), "
           f"{p['dense_s3_s']:.1f} s (every receiver from object storage)")

@@ -57,7 +57,9 @@ def test_model_shape():
     relay = planner.plan(base, co)
     s3 = planner.plan(planner.PlanInput(**{**base.__dict__, "transport": "s3"}), co)
     one = planner.plan(planner.PlanInput(**{**base.__dict__, "receivers": 1}), co)
-    assert relay["payload_bytes"] == pytest.approx(2e12 / planner._interp(co.ratio, 0.03))
+    plain = planner.plan(planner.PlanInput(**{**base.__dict__, "context": "off"}), co)
+    assert plain["payload_bytes"] == pytest.approx(2e12 / planner._interp(co.ratio, 0.03))
+    assert plain["context_share"] == 0 and relay["total_s"] <= plain["total_s"]
     assert relay["total_s"] <= 100.0  # the design target: 1T at 3% in <= 100 s over 381 MB/s
     assert s3["total_s"] > 30 * relay["total_s"]  # every receiver pulling across the link
     assert relay["total_s"] < 1.05 * one["total_s"]  # the tree: 64 receivers cost about as much as one
@@ -96,3 +98,23 @@ def test_the_packaged_calibration_is_the_committed_results():
     (make plan-validate rewrites it: nemo-dcr plan --calibrate)."""
     assert planner.Coefficients.load() == planner.Coefficients.load(planner.RESULTS)
     assert planner.CALIBRATION.parent == Path(planner.__file__).parent
+
+
+def test_context_share_is_what_makes_the_refit_shortest():
+    """on carries the context codec's bytes and pays its walks (the encoder's over the shard,
+    every receiver's over the model); auto takes the share with the shortest refit, so it is
+    never slower than either. A receiver with few cores on a fast link gains nothing from it;
+    on a slow link the link's saving wins. Bad modes are refused."""
+    co = planner.Coefficients.load()
+    assert co.ctx_ratio and co.ctx_ratio[0.03] > co.ratio[0.03] and "codec.json" in co.sources[
+        "ctx_ratio, ctx_encode, ctx_decode"]
+    slow = planner.PlanInput(1e9, 0.03, link_MBps=12.5, transport="s3", receivers=1)
+    by = {m: planner.plan(planner.PlanInput(**{**slow.__dict__, "context": m}), co) for m in ("off", "on", "auto")}
+    assert by["on"]["payload_bytes"] == pytest.approx(2e9 / planner._interp(co.ctx_ratio, 0.03))
+    assert by["on"]["breakdown_s"]["decode"] > by["off"]["breakdown_s"]["decode"]
+    assert by["auto"]["total_s"] <= min(by["on"]["total_s"], by["off"]["total_s"])
+    assert by["auto"]["context_share"] > 0.5  # the link is the bottleneck: mostly context
+    fast = planner.plan(planner.PlanInput(**{**slow.__dict__, "link_MBps": 1e5}), co)
+    assert fast["context_share"] == 0  # the walks cost more than the bytes they save
+    with pytest.raises(ValueError, match="context must be"):
+        planner.plan(planner.PlanInput(1e9, context="sometimes"), co)
