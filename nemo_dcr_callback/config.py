@@ -57,8 +57,8 @@ class CommitPolicy:
 
 # When a sender context-codes a chunk (codec/context.py: smaller, but a walk over the chunk's
 # range costs about a copy of it): "on", wherever the coding comes out smaller; "auto", where
-# it comes out smaller while the sender is ahead of the link (a part's worth of bytes more
-# than the link has carried: the CPU would otherwise wait); "off", never. On a fast link the
+# it comes out smaller while the sender is ahead of the link (parts handed over that the link
+# has not carried yet: the CPU would otherwise wait); "off", never. On a fast link the
 # walk costs more time than the bytes it saves (docs/PERFORMANCE.md). Ahead of which link:
 # with link_mbit, the receivers' (this sender's share of it); without, its own upload's
 # (parts queued and not yet stored), which is the same where the store sits behind that link

@@ -50,12 +50,13 @@ class RankWriter:
         return sum(self._sizes.get(id(f), 0) for f in self._futs if not f.done())
 
     def ahead(self, link_bytes_per_s: float) -> float:
-        """Bytes handed to the store beyond what a link of this rate has carried since the
-        first part: the backlog of a link the sender cannot see (the receivers', where the
-        store is near the sender). Chunks not yet in a part count too: they will be."""
+        """Bytes of parts handed to the store beyond what a link of this rate has carried since
+        the first part: the backlog of a link the sender cannot see (the receivers', where the
+        store is near the sender). Chunks still gathering into a part do not count: the link
+        cannot have them yet."""
         if self._t_first is None:
-            return float(self._size)
-        return self._sent + self._size - link_bytes_per_s * (time.monotonic() - self._t_first)
+            return 0.0
+        return self._sent - link_bytes_per_s * (time.monotonic() - self._t_first)
 
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)

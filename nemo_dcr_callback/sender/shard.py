@@ -65,8 +65,10 @@ def context_gate(mode: str, writer, link_mbit: float | None = None, world: int =
     and the receivers' link (Mbit/s, shared by the world ranks; None: the upload's backlog)."""
     if mode == "auto":
         if link_mbit:
+            # two parts: one on the link and one waiting, so the link does not idle while the
+            # next part (context-coded: slower) is encoded
             share = link_mbit * 1e6 / 8 / max(world, 1)
-            return lambda: writer.ahead(share) >= writer.part_bytes
+            return lambda: writer.ahead(share) >= 2 * writer.part_bytes
         return lambda: writer.backlog() >= writer.part_bytes
     return (lambda: True) if mode == "on" else (lambda: False)
 

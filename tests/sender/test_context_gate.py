@@ -1,5 +1,5 @@
-"""dcr.context=auto: a sender context-codes only while it is ahead of the link (a part's worth
-of bytes more than the link has carried), and codes plain while the link keeps up, so on a
+"""dcr.context=auto: a sender context-codes only while it is ahead of the link (parts handed
+over that the link has not carried yet), and codes plain while the link keeps up, so on a
 fast link the walk over each chunk's range (about a copy of it) is not paid for bytes that
 cost nothing. The link is its own upload's (parts still queued), or, given link_mbit, the
 receivers' (the store near the sender, the receivers far: its uploads never queue). The slow
