@@ -65,7 +65,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.config import CommitPolicy, FollowerConfig
+from nemo_dcr_callback.config import CommitPolicy, FollowerConfig, check_link, context_mode
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.rebuild import KeyframeError, latest_keyframe, load_keyframe
 from nemo_dcr_callback.protocol.store import StoreError, backoff, redact, wait_news
@@ -96,6 +96,9 @@ class DCRCheckpointEngine(CheckpointEngine):
     staging         "cpu": the actor copies each weight to host memory as verl yields it (one
                     device tensor alive at a time; the delta runs on CPU); "device": kept as
                     is (the whole model on the device while it is published)
+    context         when chunks are context-coded: auto | on | off (config.CONTEXT_MODES)
+    link_mbit       the rollout workers' link in Mbit/s, what auto keeps ahead of (None: the
+                    actor's own upload)
     """
 
     wire_format = "named_tensors"
@@ -103,7 +106,7 @@ class DCRCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int = 0, is_master: bool = False, *, store: str | None = None,
                  receiver_id: str = "verl-rollout", commit_policy: str = "quorum", ack_timeout: float = 60.0,
                  quorum: float = 0.5, ack_grace: float = 1.0, timeout: float = 600.0, poll_s: float = 0.01,
-                 staging: str = "cpu"):
+                 staging: str = "cpu", context: str | bool = "auto", link_mbit: float | None = None):
         if not store:
             raise ValueError("checkpoint engine dcr needs a store: set "
                              "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dcr.store")
@@ -113,6 +116,9 @@ class DCRCheckpointEngine(CheckpointEngine):
         self.store_url, self.prefix, self.staging = store, receiver_id, staging
         self.policy = CommitPolicy(commit_policy, ack_timeout, quorum, grace=ack_grace)
         self.timeout, self.poll_s = timeout, poll_s
+        self.context = context_mode(context)  # bad options are refused when verl builds the engine
+        check_link(link_mbit)
+        self.link_mbit = link_mbit
         self._store = None
         self.publisher: NamedPublisher | None = None
         self.rank: int | None = None
@@ -191,7 +197,8 @@ class DCRCheckpointEngine(CheckpointEngine):
     def _publish(self, tensors, global_steps: int | None) -> dict:
         if self.publisher is None:
             # an empty store: keyframe 0 holds these weights; else the baseline is rebuilt from it
-            self.publisher = NamedPublisher(self.store(), tensors, policy=self.policy, log=logger.info)
+            self.publisher = NamedPublisher(self.store(), tensors, policy=self.policy, context=self.context,
+                                            link_mbit=self.link_mbit, log=logger.info)
         pub = self.publisher
         # one version per sync, so every rollout worker waits for exactly one (also the first
         # sync, whose delta against its own keyframe is empty)

@@ -136,6 +136,7 @@ class DCRTrainerInitInfo(TrainerInitInfo):
     receiver_id: str | None = "vllm"  # the engine's id in the joint commit (None: not awaited)
     config_json: str | None = None  # the model's config.json, for keyframe 0 (engines start from it)
     context: str = "auto"  # when chunks are context-coded (config.CONTEXT_MODES: auto | on | off)
+    link_mbit: float | None = None  # the engines' link (Mbit/s): what context="auto" keeps ahead of
     commit_mode: str = "wait"  # CommitPolicy: the engine's ack is awaited, a refusal aborts
     commit_timeout_s: float = 600.0
     update_timeout_s: float = 600.0
@@ -160,7 +161,8 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if self.is_sender:
             policy = CommitPolicy(mode=init_info.commit_mode, timeout=init_info.commit_timeout_s)
             self.publisher = NamedPublisher(init_info.store, tensors, policy=policy,
-                                            config_json=init_info.config_json, context=init_info.context)
+                                            config_json=init_info.config_json, context=init_info.context,
+                                            link_mbit=init_info.link_mbit)
             client.init_weight_transfer_engine({"store": init_info.engine_store or init_info.store,
                                                 "receiver_id": init_info.receiver_id,
                                                 "version": self.publisher.last})

@@ -56,6 +56,18 @@ def test_the_config_lines_select_the_engine(tmp_path):
         CheckpointEngineRegistry.new("dcr", bucket_size=1 << 20)
 
 
+def test_context_options_reach_the_publisher_and_bad_ones_are_refused(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    job = VerlJob(engine_config(store_url, context="on", link_mbit=100.0, **FAST), tiny_qwen2(), actors=1,
+                  rollouts=1)
+    job.sync(0)
+    sender = job.actors[0].checkpoint_engine.publisher.sender
+    assert (sender.context, sender.link_mbit) == ("on", 100.0)
+    for bad, match in (({"context": "sometimes"}, "context must be"), ({"link_mbit": 0}, "link_mbit must be")):
+        with pytest.raises(ValueError, match=match):
+            CheckpointEngineRegistry.new("dcr", bucket_size=1 << 20, store=store_url, **bad)
+
+
 def test_five_versions_reach_every_rollout_worker_bit_exact(tmp_path):
     store_url = f"file://{tmp_path}/store"
     job = VerlJob(engine_config(store_url, **FAST), tiny_qwen2(), actors=2, rollouts=2)

@@ -68,12 +68,12 @@ def oracle(tmp_path_factory):
     return states, dirs, sums, gens
 
 
-def _trainer(dirs, store_url: str, client, context: str = "auto"):
+def _trainer(dirs, store_url: str, client, context: str = "auto", link_mbit: float | None = None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(dirs[0], torch_dtype=torch.bfloat16)
     info = DCRTrainerInitInfo(store=store_url, rank=0, receiver_id="rollout-0", commit_timeout_s=120,
-                              context=context)
+                              context=context, link_mbit=link_mbit)
     return model, WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
 
 
@@ -98,7 +98,8 @@ def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
     llm = _engine(dirs[0])
     # context-coded chunks (a file store is never behind, so "auto" would code them plain): the
     # engine decodes them from the weights it holds, read back through its loader's copies
-    model, trainer = _trainer(dirs, store.url, LLMClient(llm), context="on")
+    model, trainer = _trainer(dirs, store.url, LLMClient(llm), context="on", link_mbit=100.0)
+    assert (trainer.publisher.sender.context, trainer.publisher.sender.link_mbit) == ("on", 100.0)
     assert "rollout-0" in commit.receivers(store)
     for v in range(1, N + 1):
         model.load_state_dict(states[v], strict=False)
