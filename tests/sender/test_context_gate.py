@@ -111,3 +111,20 @@ def test_a_link_rate_makes_auto_possible_on_any_store_and_is_checked(tmp_path):
     for bad in (0, -5.0):
         with pytest.raises(ValueError, match="link_mbit must be a positive rate"):
             DCRConfig(link_mbit=bad)
+
+
+def test_the_gate_counts_parts_handed_over_against_the_links_share(tmp_path):
+    """auto with a link: context once two parts are handed over beyond what the link (1/world
+    of it per rank) has carried; chunks still gathering into a part do not count."""
+    from nemo_dcr_callback.protocol.upload import RankWriter
+    from nemo_dcr_callback.sender.shard import context_gate
+
+    w = RankWriter(FileStore(tmp_path), 1, 0, 0, 1, part_bytes=64 << 10)
+    slow, fast = context_gate("auto", w, 1.0), context_gate("auto", w, 1e6)  # 125 KB/s; 125 GB/s
+    shared = context_gate("auto", w, 8.0, world=8)  # the same 125 KB/s per rank
+    w.add(b"x" * (60 << 10))  # gathering, not handed over
+    assert not slow() and not shared()
+    for _ in range(3):
+        w.add(b"x" * (4 << 10) if w._size else b"x" * (64 << 10))  # parts of 64 KiB handed over
+    assert slow() and shared() and not fast()  # 192 KiB handed over, a few ms of the slow link carried
+    assert not context_gate("off", w, 1.0)() and context_gate("on", w, 1e6)()
