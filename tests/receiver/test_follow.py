@@ -188,6 +188,38 @@ def test_parts_are_fetched_in_order_a_few_at_a_time(tmp_path, lanes):
         Follower(store, tensors, version=1, fetch_lanes=0)
 
 
+def test_a_streaming_version_is_not_listed_while_its_parts_wait_for_a_lane(tmp_path):
+    """While parts it knows of wait for a fetch lane, a receiver does not list the version's
+    folder again (each listing crosses the link the parts need, and could only add more to
+    wait for); once the queue runs dry it lists, finds the record and ends bit-exact."""
+    g = torch.Generator().manual_seed(4)
+    old = {f"layer.{i}.w": random_tensor((32, 17), torch.bfloat16, g, specials=False) for i in range(10)}
+    new = {k: perturb(t, 0.05, g) for k, t in old.items()}
+
+    class Listings(_SlowPooledStore):
+        lists = 0
+
+        def list(self, prefix=""):
+            Listings.lists += 1
+            return super().list(prefix)
+
+    store = Listings(tmp_path)
+    s = TensorSender(old)
+    for n in s.tensors:
+        s.tensors[n] = new[n]
+    assert len(s.write(store, 1, 0, s.take(), part_bytes=1)["parts"]) == 10  # written, not sealed
+    tensors = {k: t.clone() for k, t in old.items()}
+    f = Follower(store, tensors, fetch_lanes=2)
+    assert f.poll() == []  # streaming: its parts found and queued
+    seen = Listings.lists
+    for _ in range(4):  # ten parts of 0.05 s, two at a time: most still queued
+        assert f.poll() == []
+    assert Listings.lists == seen
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 1, timeout=5), commit.CommitPolicy())
+    f.follow(until=1, timeout=30)
+    assert Listings.lists > seen and all(torch.equal(bits(tensors[k]), bits(new[k])) for k in new)
+
+
 def test_a_new_version_costs_one_listing_before_its_first_part(tmp_path):
     """A receiver waiting for the next version finds its first part with the version listing
     and one listing of its folder (no record or decision reads while neither exists), and
