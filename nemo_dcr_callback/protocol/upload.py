@@ -40,7 +40,6 @@ class RankWriter:
         self._size = 0
         self._futs: list = []
         self._sizes: dict[int, int] = {}  # id(future) -> its part's bytes
-        self._sent = 0  # bytes of the parts handed to the store
         self._t_first: float | None = None  # when the first part was handed over
 
     def backlog(self) -> int:
@@ -56,7 +55,7 @@ class RankWriter:
         cannot have them yet."""
         if self._t_first is None:
             return 0.0
-        return self._sent - link_bytes_per_s * (time.monotonic() - self._t_first)
+        return sum(p["bytes"] for p in self.parts) - link_bytes_per_s * (time.monotonic() - self._t_first)
 
     def add(self, chunk: bytes) -> None:
         self._buf.append(chunk)
@@ -73,7 +72,6 @@ class RankWriter:
         self.parts.append(PartRef(key=key, bytes=len(data), chunks=len(self._buf),
                                   checksum=xxhash.xxh3_64_hexdigest(data)))
         self._buf, self._size = [], 0
-        self._sent += len(data)
         if self._t_first is None:
             self._t_first = time.monotonic()
         pool = getattr(self.store, "executor", None)

@@ -391,14 +391,14 @@ class Follower:
             # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
             listings: dict[int, list[str]] = {}
-            if nxt in self._parts and nxt not in self.refused and told is None and self._parts[nxt].queued:
-                # parts known and waiting for a lane: a listing could only add more to wait for,
-                # and each one crosses the link the parts need (its answer grows with the parts
-                # listed). List again once the queue runs dry.
-                self._parts[nxt].harvest()
-                self._apply_early(nxt)
-                return out
             if nxt in self._parts and nxt not in self.refused:
+                if told is None and self._parts[nxt].queued:
+                    # parts known and waiting for a lane: a listing could only add more to wait
+                    # for, and each one crosses the link the parts need (its answer grows with
+                    # the parts listed). List again once the queue runs dry.
+                    self._parts[nxt].harvest()
+                    self._apply_early(nxt)
+                    return out
                 listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
                 self._listed = (nxt, listing)
                 if not listing:
