@@ -256,7 +256,7 @@ def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: st
         (g, g_raw, g_rans), (t, t_raw, t_rans) = gap_streams[j], tok_streams[j]
         desc[8 * j:8 * j + 8] = (g.ctypes.data, g.size, g_raw, int(g_rans), t.ctypes.data, t.size, t_raw, int(t_rans))
     total = sum(t[1] for t in tok_streams)
-    pos = np.empty(max(total, 1), dtype=np.int64)
+    pos = np.empty(total + 64, dtype=np.int64)  # the walk stores 8 positions at a time
     values = torch.empty(total, dtype=bits_dtype)
     populations = np.zeros(k, dtype=np.int64)
     err = np.zeros(2, dtype=np.int64)

@@ -175,14 +175,17 @@ def test_current_bits_that_disagree_with_the_new_values_are_refused():
 
 @pytest.mark.parametrize("lr", [1e-7, 3e-6, 1e-5])  # 1% changed, 2-3 classes; 17%, up to 6; over 8
 def test_every_compiled_walk_and_numpy_decode_the_same_chunks(lr, monkeypatch):
-    """The decoder's walks: per-class compares, every class counted at once (GFNI, up to 8
-    classes), and the numpy sort by class must land on the new tensor from the same chunks."""
+    """The decoder's walks: each class's ranks as a bitmap deposited onto its lanes, per-class
+    compares, every class counted at once (GFNI, up to 8 classes), the compiled default for the
+    chunk's density, and the numpy sort by class must land on the new tensor from the same chunks."""
     old, new = adam_like(300_000, lr, 5)
     d = take_delta(new, old.clone(), keep_new=True)
     chunks = codec.encode_delta("w", d, span=1 << 17, old=old)
     ks = [codec.parse_header(c).classes for c in chunks]
     assert (max(ks) <= 8) == (lr < 1e-5), ks
-    for env, native in (({}, True), ({"NEMO_DCR_NO_GFNI": "1"}, True), ({}, False)):
+    walks = (({"NEMO_DCR_BITMAP": "1"}, True), ({"NEMO_DCR_NO_BITMAP": "1"}, True),
+             ({"NEMO_DCR_NO_BITMAP": "1", "NEMO_DCR_NO_GFNI": "1"}, True), ({}, True), ({}, False))
+    for env, native in walks:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         if not native:
@@ -195,10 +198,13 @@ def test_every_compiled_walk_and_numpy_decode_the_same_chunks(lr, monkeypatch):
         monkeypatch.undo()
 
 
-def test_a_rank_beyond_its_class_is_refused():
+@pytest.mark.parametrize("walk", ["NEMO_DCR_BITMAP", "NEMO_DCR_NO_BITMAP"])
+def test_a_rank_beyond_its_class_is_refused(walk, monkeypatch):
     """A class's gap stream naming a rank past the class's population (which only the walk
-    over the old bits knows) is refused, not applied somewhere else."""
+    over the old bits knows) is refused, not applied somewhere else, by either compiled walk."""
     from nemo_dcr_callback.codec.streams import GapMode, encode_gaps
+
+    monkeypatch.setenv(walk, "1")
 
     old, new = adam_like(50_000, 1e-6, 12)
     _, _, ctx = _chunk(old, new)

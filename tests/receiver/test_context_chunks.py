@@ -233,7 +233,7 @@ def test_other_old_bits_decode_other_positions_and_the_digests_refuse_them(tmp_p
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", ["bitmap walk", "rank walk", None])
 def test_exponent_bytes_decode_as_the_bits_do(dtype, native, monkeypatch):
     """A GPU receiver hands the decoder its old tensors' exponent bytes (computed on the device,
     half of BF16's bytes cross to the host): the same changes come out as from the bits, with
@@ -244,6 +244,7 @@ def test_exponent_bytes_decode_as_the_bits_do(dtype, native, monkeypatch):
 
     if not native:
         monkeypatch.setattr(kernels, "native", lambda: None)
+    monkeypatch.setenv("NEMO_DCR_BITMAP" if native == "bitmap walk" else "NEMO_DCR_NO_BITMAP", "1")
     old, new = adam_like((1 << 15) + 37, 3e-4, 1)  # (not whole 64-position blocks: the scalar tail too)
     old, new = old.to(dtype), new.to(dtype)
     old[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
