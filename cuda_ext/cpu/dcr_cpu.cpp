@@ -572,7 +572,7 @@ int64_t gaps16_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo,
 
 extern "C" {
 
-int dcr_abi_version() { return 2; }
+int dcr_abi_version() { return 3; }
 
 // The SIMD path the run-time dispatch picks for the hot loops (the BF16 delta pass, the encoder):
 // 2 AVX-512, 1 AVX2, 0 portable scalar code. The same CPU checks and environment switches as
@@ -2321,6 +2321,24 @@ static int64_t ctx_bitmap_decode(const void* const*, const int64_t*, int64_t, in
 
 }  // namespace
 
+// The walks' positions (int64, from the range's start) as the caller keeps them: + lo (a
+// tensor's chunk after its first), as int32 in place where the tensor's positions fit (the
+// narrowing writes 4 bytes at 4i while reading 8 at 8i, so it never overtakes its reads).
+// Here rather than as two torch passes, each with its own allocation.
+static void narrow_positions(int64_t* pos, int64_t count, int64_t lo, int pos32) {
+  if (pos32) {
+    char* b = reinterpret_cast<char*>(pos);  // the same bytes as both widths: memcpy, not casts
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t v;
+      std::memcpy(&v, b + 8 * i, 8);
+      const int32_t w = static_cast<int32_t>(v + lo);
+      std::memcpy(b + 4 * i, &w, 4);
+    }
+  } else if (lo) {
+    for (int64_t i = 0; i < count; ++i) pos[i] += lo;
+  }
+}
+
 // ---------------------------------------------------------------- fused context decoder
 // A context-coded chunk's classes decoded in one call (codec/context.py join_coded): per class
 // its gap stream (rANS undone, GAP8 to ranks) and its tokens (rANS undone), then the walk over
@@ -2328,14 +2346,15 @@ static int64_t ctx_bitmap_decode(const void* const*, const int64_t*, int64_t, in
 // or three per stream, per chunk: most of the time on models of many small tensors.
 // desc: per class 8 int64: gap stream address, stored bytes, raw bytes, rANS-coded (else the
 // raw bytes), token stream address, stored bytes, tokens, rANS-coded. pos_out and
-// values_out hold the tokens' total. Returns the changes decoded, or < 0 with err[0] the class (or count)
+// values_out hold the tokens' total (pos_out 64 more); positions come out + lo, as int32 in
+// pos_out's first half where pos32. Returns the changes decoded, or < 0 with err[0] the class (or count)
 // and err[1] the stream's own code: -1 gap rANS, -2 gap decode, -3 token rANS, -4 a class's
 // ranks beyond its population, -5 ranks that name fewer positions than changes, -6 escapes
 // that do not match the tokens, -100 bad arguments.
 extern "C" int64_t dcr_ctx_decode(const void* const* segs, const int64_t* lens, int64_t nseg, int width, int shift,
                                   int nbits, const uint8_t* cls_map, int k, const int64_t* desc, const void* esc,
                                   int64_t n_esc, int vwidth, int64_t* pos_out, void* values_out,
-                                  int64_t* class_counts, int64_t* err) {
+                                  int64_t* class_counts, int64_t* err, int64_t lo, int pos32) {
   if (k < 1 || k > 16 || (vwidth != 2 && vwidth != 4)) return -100;
   int64_t n = 0;
   for (int64_t s = 0; s < nseg; ++s) n += lens[s];
@@ -2393,9 +2412,12 @@ extern "C" int64_t dcr_ctx_decode(const void* const* segs, const int64_t* lens, 
   const bool bitmap = kBitmapWalk && !std::getenv("NEMO_DCR_NO_AVX512") && !std::getenv("NEMO_DCR_NO_BITMAP") &&
                       (std::getenv("NEMO_DCR_BITMAP") ||
                        static_cast<double>(total) * 64 >= static_cast<double>(n) * kBitmapPer64);
-  if (bitmap)
-    return ctx_bitmap_decode(segs, lens, nseg, width, shift, nbits, cls_map, k, ranks.data(), starts, toks.data(),
-                             esc, n_esc, vwidth, pos_out, values_out, class_counts, err);
+  if (bitmap) {
+    const int64_t rc = ctx_bitmap_decode(segs, lens, nseg, width, shift, nbits, cls_map, k, ranks.data(), starts,
+                                         toks.data(), esc, n_esc, vwidth, pos_out, values_out, class_counts, err);
+    if (rc >= 0) narrow_positions(pos_out, rc, lo, pos32);
+    return rc;
+  }
   const int64_t found = dcr_ctx_positions(segs, lens, nseg, width, shift, nbits, cls_map, k, ranks.data(), starts,
                                           pos_out, src.data(), class_counts);
   if (found < 0) {
@@ -2407,5 +2429,6 @@ extern "C" int64_t dcr_ctx_decode(const void* const* segs, const int64_t* lens, 
     return -5;
   }
   if (dcr_ctx_values(src.data(), total, toks.data(), esc, n_esc, vwidth, values_out) != 0) return -6;
+  narrow_positions(pos_out, total, lo, pos32);
   return total;
 }

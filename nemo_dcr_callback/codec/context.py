@@ -232,11 +232,11 @@ Coded = tuple[np.ndarray, int, bool]
 
 def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: str, gap_streams: list[Coded],
                tok_streams: list[Coded], esc: np.ndarray, bits_dtype: torch.dtype,
-               idt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+               idt: torch.dtype, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """join_old from the classes' streams still rANS-coded, in one compiled call (rANS, GAP8,
     the walk and the values: dcr_ctx_decode); None where the compiled path does not apply
     (the caller then decodes stream by stream). segments: the receiver's tensors of the
-    range, flat, of the chunk's dtype or its exponent bytes (uint8)."""
+    range, flat, of the chunk's dtype or its exponent bytes (uint8). Positions come out + lo, as idt."""
     lib = kernels.native()
     k = len(tok_streams)
     if lib is None:
@@ -269,7 +269,8 @@ def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: st
     ptrs, lens = np.array(ptrs, dtype=np.uint64), np.array(lens, dtype=np.int64)
     rc = lib.dcr_ctx_decode(ptrs.ctypes.data, lens.ctypes.data, len(segments), width, shift,
                             nbits, cmap.ctypes.data, k, desc.ctypes.data, esc.ctypes.data, esc.size // w, w,
-                            pos.ctypes.data, values.data_ptr(), populations.ctypes.data, err.ctypes.data)
+                            pos.ctypes.data, values.data_ptr(), populations.ctypes.data, err.ctypes.data, lo,
+                            int(idt == torch.int32))
     if rc < 0:
         j, code = int(err[0]), int(err[1])
         raise StreamError({
@@ -281,4 +282,6 @@ def join_coded(cls_map: np.ndarray, segments: list[torch.Tensor], dtype_name: st
             -5: f"the classes' ranks name {j} positions for {total} changes",
             -6: "escape count does not match the token stream",
         }.get(rc, f"context streams do not add up ({rc})"))
-    return torch.from_numpy(pos[:total]).to(idt), values
+    if idt == torch.int32:  # narrowed in place: the first 4 * total bytes
+        return torch.from_numpy(pos.view(np.int32)[:total]), values
+    return torch.from_numpy(pos[:total]), values

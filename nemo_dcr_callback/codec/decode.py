@@ -182,15 +182,17 @@ def _decode_context(h: ChunkHeader, st: list[np.ndarray], old: OldBits | None,
     rans = [s[2] == RANS for s in h.streams]
     cmap, esc = (ans_decode(st[i], raw[i]) if rans[i] else st[i] for i in (0, -1))
     coded = [(st[i], raw[i], rans[i]) for i in range(1, 1 + 2 * k)]
-    got = context.join_coded(cmap, segments, h.dtype.name, coded[:k], coded[k:], esc, BITS_DTYPE[h.dtype.width], idt)
-    if got is None:  # no compiled library: stream by stream
-        dec = [ans_decode(s, r) if c else s for s, r, c in coded]
-        got = context.join_old(cmap, [_old_view(t) for t in segments], h.dtype.name, dec[:k], dec[k:], esc,
-                               BITS_DTYPE[h.dtype.width], idt)
-    pos, vals = got
     # the walk numbers positions within the chunk's range; a tensor's chunk after its first
     # starts at lo (a batch's members are cut from the concatenation by decode_parts)
-    return (pos + h.lo if h.lo and not h.members else pos), vals
+    lo = 0 if h.members else h.lo
+    got = context.join_coded(cmap, segments, h.dtype.name, coded[:k], coded[k:], esc, BITS_DTYPE[h.dtype.width], idt,
+                             lo)
+    if got is None:  # no compiled library: stream by stream
+        dec = [ans_decode(s, r) if c else s for s, r, c in coded]
+        pos, vals = context.join_old(cmap, [_old_view(t) for t in segments], h.dtype.name, dec[:k], dec[k:], esc,
+                                     BITS_DTYPE[h.dtype.width], idt)
+        got = (pos + lo if lo else pos), vals
+    return got
 
 
 def decode_chunk(buf: bytes | memoryview, header: ChunkHeader | None = None, old: OldBits | None = None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parents[1] / "_lib"
 LIB_NAME = "libdcr_cpu.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 SIMD_PATHS = {2: "AVX-512", 1: "AVX2", 0: "portable"}
 
 _lock = threading.Lock()
@@ -40,7 +40,7 @@ _SIGNATURES = {
     "dcr_scatter_many": (c_i64, [c_i64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_int]),
     "dcr_member_table": (c_i64, [c_void_p, c_i64, c_i64, c_i64, c_void_p]),
     "dcr_ctx_decode": (c_i64, [c_void_p, c_void_p, c_i64, c_int, c_int, c_int, c_void_p, c_int, c_void_p, c_void_p,
-                               c_i64, c_int, c_void_p, c_void_p, c_void_p, c_void_p]),
+                               c_i64, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_i64, c_int]),
     "dcr_ctx_encode": (c_i64, [c_void_p, c_i64, c_int, c_int, c_int, c_int, c_void_p, c_int, c_i64, c_i64, c_void_p,
                                c_void_p, c_void_p, ctypes.c_double, c_i64, c_i64, c_void_p, c_void_p, c_void_p,
                                c_i64, c_void_p]),
