@@ -84,8 +84,11 @@ def bounds(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[s
     return {"xor_bound": xor0 / 8, "ulp_bound": ulp0 / 8, "conditional": cond / 8}
 
 
-def _decode_apply(delta: Path, old: dict, reps: int) -> tuple[float, dict]:
-    """Median seconds to decode and apply every chunk of a delta file in memory (one core)."""
+def _decode_apply(delta: Path, old: dict, new: dict, reps: int) -> tuple[float, list[float], list[float], dict]:
+    """Seconds to decode and apply every chunk of a delta file in memory (one core): the median,
+    and per rep a dense refit of the same targets (a copy of the new weights into them) timed
+    just before it, and their ratio. Each starts from the targets reset to the old weights.
+    This VM's speed drifts by 2x over minutes; the two timed back to back see the same drift."""
     df = deltafile.DeltaFile(delta)
     off, blobs = 8, []
     for n in df.manifest["chunk_lengths"]:
@@ -93,17 +96,30 @@ def _decode_apply(delta: Path, old: dict, reps: int) -> tuple[float, dict]:
         off += n
     df.close()
     flat = {k: v.clone().reshape(-1) for k, v in old.items()}
-    times = []
-    for _ in range(reps):
+    src = {k: v.reshape(-1) for k, v in new.items()}
+
+    def reset():
         for k, v in old.items():
             flat[k].copy_(v.reshape(-1))
+
+    times, copies, ratios = [], [], []
+    for _ in range(max(reps, 5)):
+        reset()
         t0 = time.perf_counter()
+        for k, v in src.items():
+            flat[k].copy_(v)
+        t1 = time.perf_counter()
+        reset()
+        t2 = time.perf_counter()
         for b in blobs:
             h = codec.parse_header(b)
             parts = codec.decode_parts(b, h, old=lambda m: flat[m.name])
             codec.apply_all(parts, [flat[d.header.name] for d in parts])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), flat
+        t3 = time.perf_counter()
+        copies.append(t1 - t0)
+        times.append(t3 - t2)
+        ratios.append((t1 - t0) / (t3 - t2))
+    return statistics.median(times), copies, ratios, flat
 
 
 def pair_row(p: corpus.Pair, work: Path, reps: int) -> dict:
@@ -115,14 +131,7 @@ def pair_row(p: corpus.Pair, work: Path, reps: int) -> dict:
     row = {"kind": p.kind, "target_rate": p.target, "change_rate": p.rate, "lr": p.lr, "tensors": len(p.old),
            "params": sum(t.numel() for t in p.old.values()), "dense_bytes": dense, **{f"{k}_bytes": v
                                                                                       for k, v in b.items()}}
-    dst = {k: torch.empty_like(v) for k, v in p.new.items()}
     t_copy = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for k in dst:
-            dst[k].copy_(p.new[k])
-        t_copy.append(time.perf_counter() - t0)
-    row["memcpy_gbps"] = dense / statistics.median(t_copy) / 1e9
     for label, ctx in (("plain", False), ("context", True)):
         out = d / f"{label}.dcr"
         t_enc = []
@@ -131,7 +140,8 @@ def pair_row(p: corpus.Pair, work: Path, reps: int) -> dict:
             deltafile.diff(d / "old", d / "new", out, quiet=True, force=True, context=ctx)
             t_enc.append(time.perf_counter() - t0)
         st = deltafile.stats(out)
-        t_dec, got = _decode_apply(out, p.old, reps)
+        t_dec, copies, ratios, got = _decode_apply(out, p.old, p.new, reps)
+        t_copy += copies
         for k, v in p.new.items():  # the oracle: the new BF16 weights themselves
             if not torch.equal(bits(got[k]), bits(v).reshape(-1)):
                 raise AssertionError(f"{label}: {k} is not bit-exact after decode and apply")
@@ -141,8 +151,10 @@ def pair_row(p: corpus.Pair, work: Path, reps: int) -> dict:
             "payload_vs_xor_bound": b["xor_bound"] / st["payload_bytes"],
             "diff_s": statistics.median(t_enc), "decode_apply_s": t_dec,
             "decode_apply_gbps": dense / t_dec / 1e9,
-            "decode_apply_vs_memcpy": dense / t_dec / 1e9 / row["memcpy_gbps"],
+            "memcpy_gbps": dense / statistics.median(copies) / 1e9,
+            "decode_apply_vs_memcpy": statistics.median(ratios),  # each rep against its own copy
         }
+    row["memcpy_gbps"] = dense / statistics.median(t_copy) / 1e9
     return row
 
 
@@ -179,16 +191,19 @@ def refit_row(p: corpus.Pair, work: Path) -> dict:
 def format_table(rows: list[dict], refit: list[dict]) -> str:
     out = ["whole delta file vs bounds (efficiency = bound / bytes; pay: payload only; cond = conditional-entropy"
            " figure);"
-           " decode+apply GB/s of dense BF16 per core, beside memcpy",
+           " decode+apply GB/s of dense BF16 per core, beside memcpy; x copy: the median of each rep's"
+           " copy time over its decode + apply time",
            f"{'pair':>9} {'rate':>6} {'tensors':>7} {'xor bound':>10} {'cond':>9} {'plain':>9} {'eff':>6} {'pay':>6} "
-           f"{'context':>9} {'eff':>6} {'vs cond':>7} {'dec plain':>9} {'dec ctx':>8} {'memcpy':>7}"]
+           f"{'context':>9} {'eff':>6} {'vs cond':>7} {'dec plain':>9} {'dec ctx':>8} {'memcpy':>7} "
+           f"{'x copy':>6} {'ctx x':>6}"]
     for r in rows:
         pl, cx = r["plain"], r["context"]
         out.append(f"{r['kind']:>9} {r['change_rate']:6.2%} {r['tensors']:7d} {r['xor_bound_bytes'] / 1e3:8.1f}KB "
                    f"{r['conditional_bytes'] / 1e3:7.1f}KB {pl['bytes'] / 1e3:7.1f}KB {pl['whole_vs_xor_bound']:6.3f} "
                    f"{pl['payload_vs_xor_bound']:6.3f} "
                    f"{cx['bytes'] / 1e3:7.1f}KB {cx['whole_vs_xor_bound']:6.3f} {cx['whole_vs_conditional']:7.3f} "
-                   f"{pl['decode_apply_gbps']:9.2f} {cx['decode_apply_gbps']:8.2f} {r['memcpy_gbps']:7.2f}")
+                   f"{pl['decode_apply_gbps']:9.2f} {cx['decode_apply_gbps']:8.2f} {r['memcpy_gbps']:7.2f} "
+                   f"{pl['decode_apply_vs_memcpy']:6.2f} {cx['decode_apply_vs_memcpy']:6.2f}")
     for r in refit:
         out.append(f"refit path, {r['params'] / 1e6:.0f}M params, {r['tensors']} tensors at {r['change_rate']:.2%}: "
                    f"{r['version_bytes'] / 1e3:.1f} KB per version, chunk headers "
