@@ -112,10 +112,18 @@ def _refit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-context-share", action="store_true",
                    help="skip encoding each version again off the path, plain and context-coded (the share "
                         "columns)")
+    p.add_argument("--bound", action="store_true",
+                   help="no link and no root: the compression ratio each target needs with no time at either "
+                        "end, beside the codecs' and the context model's information bound (refit_bound.json)")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/refit.json)")
 
 
 def _refit(args: argparse.Namespace) -> int:
+    if args.bound:
+        from nemo_dcr_callback.bench import refit_bound  # start-up cost: only when this benchmark runs
+
+        refit_bound.run(args.params, tuple(float(x) for x in args.rates.split(",")), json_path=args.json)
+        return 0
     from nemo_dcr_callback.bench import refit  # start-up cost: only when this benchmark runs
 
     deltas = tuple(args.deltas.split(","))
