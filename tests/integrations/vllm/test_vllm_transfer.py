@@ -77,17 +77,24 @@ def _trainer(dirs, store_url: str, client, context: str = "auto", link_mbit: flo
     return model, WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
 
 
-def _corrupt_version(store, v: int, base: int, old, new) -> None:
-    """Version v written with one part damaged before it is sealed, then committed (no receiver
-    awaited): every engine that reads it must refuse it."""
+def _corrupt_version(store, staging, v: int, base: int, old, new) -> None:
+    """Version v with one part damaged, then committed (no receiver awaited): every engine that
+    reads it must refuse it. It is written to a staging store and copied in with the part
+    already damaged (parts first): the engine's background follower fetches a version's parts
+    while it is unsealed, so a part damaged in place after the write may already be held
+    intact, and then it is rightly applied (a CI run saw exactly that)."""
+    stage = FileStore(staging)
     s = NamedSender(old)
     s.tensors = dict(new)
-    s.write(store, v, base, s.take())
-    part = next(k for k in store.list(commit.vdir(v)) if k.endswith(".dcr"))
-    blob = bytearray(store.get(part))
-    blob[len(blob) // 2] ^= 0x20
-    store.delete([part])
-    store.put(part, bytes(blob))
+    s.write(stage, v, base, s.take())
+    keys = sorted(stage.list(commit.vdir(v)), key=lambda k: (not k.endswith(".dcr"), k))
+    part = keys[0]
+    assert part.endswith(".dcr"), keys
+    for k in keys:
+        blob = bytearray(stage.get(k))
+        if k == part:
+            blob[len(blob) // 2] ^= 0x20
+        store.put(k, bytes(blob))
     rec = commit.seal_version(store, v, base, 1, timeout=30)
     commit.run_commit(store, rec, CommitPolicy(), expected=[])
 
@@ -136,7 +143,7 @@ def test_llm_follows_through_the_dcr_backend(tmp_path, oracle):
     commit.seal_version(store, N + 1, rec_base, 1, timeout=30)
     commit.decide(store, N + 1, rec_base, "abort", [], [], "the trainer gave up")
     refused(lambda: update(N + 1), f"version {N + 1} was not committed")
-    _corrupt_version(store, N + 2, rec_base, states[N], states[N - 1])
+    _corrupt_version(store, tmp_path / "staging", N + 2, rec_base, states[N], states[N - 1])
     refused(lambda: update(N + 2), "checksum|bad magic")  # (where the flipped byte lands)
     stop_engine(llm)
 
