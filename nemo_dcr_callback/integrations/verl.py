@@ -279,7 +279,10 @@ class DCRCheckpointEngine(CheckpointEngine):
                 raise DCRSyncError(f"dcr: version {target} was not committed within {self.timeout:g} s "
                                    f"({self._status(target)}); receiver {self.receiver_id} keeps version {f.version}")
             pause = self.poll_s if applied else backoff(pause, self.poll_s, 0.1)
-            token, _ = wait_news(self.store(), token, pause, min(1.0, left), data_only=True)
+            try:
+                token, _ = wait_news(self.store(), token, pause, min(1.0, left), data_only=True)
+            except OSError:  # (a relay restarting: the long-poll is where a sync waits) tried again
+                time.sleep(pause)  # above, until the deadline, which names the store
         self._last_target = f.version
         # what changed since the engine was last handed weights (all of them the first time): a
         # failed sync may have applied committed versions before the one it refused

@@ -138,6 +138,7 @@ class RelayStore:
         self._auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._boot: str | None = None  # the relay process whose generations the wait tokens count
 
     def _conn(self) -> _Conn:
         """This thread's connection; a kept-alive one the relay closed meanwhile (its socket
@@ -224,7 +225,14 @@ class RelayStore:
             fields["data"] = "1"
         if keys:
             fields["keys"] = "1"
-        return json.loads(self._req("GET", "/wait", fields=fields).data)
+        boot = self._boot
+        if token and boot:  # the relay process that issued the token: another one answers at once
+            fields["boot"] = boot
+        got = json.loads(self._req("GET", "/wait", fields=fields).data)
+        if token and got.get("boot") != boot:
+            got["keys"] = None  # restarted since: what is new cannot be named from that token
+        self._boot = got.get("boot")
+        return got
 
     def wait(self, token: int, limit: float, data_only: bool = False) -> int:
         """Long-poll: return once the relay holds something newer than `token` (data_only: a
@@ -331,12 +339,19 @@ class FailoverStore:
         return self.wait_keys(token, limit, data_only)[0]
 
     def wait_keys(self, token: int, limit: float, data_only: bool = False) -> tuple[int, list[str] | None]:
+        """The current store's wait, with tokens tagged by the store that issued them. A token
+        from the store before a failover (another call, a part's fetch, moved the chain on) told
+        the next one "nothing new since" a generation it never counted: a follower then missed
+        the version record the new store already held, and waited for ever."""
+        n = len(self.stores) + 1
         i = self.i
+        gen = token // n if token % n == i + 1 else 0
         try:
-            return wait_news(self.stores[i], token, 0.005, limit, data_only)  # the origin (polled): no news
+            got, news = wait_news(self.stores[i], gen, 0.005, limit, data_only)  # the origin (polled): no news
         except StoreError as exc:
             self._advance(i, exc)
-            return 0, None  # a token of the store now in use
+            return 0, None  # nothing known of the store now in use
+        return got * n + i + 1, news if gen or not token else None
 
     def delete(self, keys):
         return self.stores[-1].delete(keys)

@@ -302,6 +302,9 @@ class HttpSide:
         if not limit >= 0:  # (NaN too)
             return web.json_response({"error": "timeout must be a number >= 0"}, status=400)
         data_only = request.query.get("data") == "1"
+        boot = request.query.get("boot")
+        if boot is not None and boot != self.boot:  # a token from another process: it says nothing here
+            return web.json_response({"gen": self.gen, "keys": None, "boot": self.boot})
         deadline = time.monotonic() + limit
         while not self._news(known, data_only):
             left = deadline - time.monotonic()
@@ -312,8 +315,9 @@ class HttpSide:
             except TimeoutError:
                 break
         if request.query.get("keys") == "1":
-            return web.json_response({"gen": self.gen, "keys": self.changed_since(known, data_only)})
-        return web.json_response({"gen": self.gen})
+            return web.json_response({"gen": self.gen, "keys": self.changed_since(known, data_only),
+                                      "boot": self.boot})
+        return web.json_response({"gen": self.gen, "boot": self.boot})
 
     async def h_stats(self, request: web.Request) -> web.Response:
         return web.json_response({**self.stats, "cached_objects": len(self.cache.mem) + len(self.cache.spilled),

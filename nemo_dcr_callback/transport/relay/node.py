@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import resource
+import secrets
 import signal
 import ssl
 import sys
@@ -61,6 +62,9 @@ class Relay(HttpSide, StoreSide):
                       "started": time.time()}
         self._fault = faults.RelayFault(cfg.fault)
         self.gen = 1  # bumped whenever this relay holds something new (long-polls wake on it)
+        # this process's generations: a restarted relay counts from 1 again, and a waiter's
+        # token from the process before (often higher) would read as "nothing new" for good
+        self.boot = secrets.token_hex(8)
         self.changes: deque[tuple[int, str | None]] = deque(maxlen=4096)  # (gen, key; None: unknown)
         self._log_floor = self.gen  # the log holds every change after this generation
         self._changed = asyncio.Event()
