@@ -1061,9 +1061,12 @@ static int64_t ctx_ranks_walk(const void* cur, int64_t n, int width, int shift, 
   int64_t first = 0;
   while (first < count && cold[first] == cnew[first]) ++first;
   for (int64_t j = first; j < count; ++j) {
-    ranks[j] += corr[cold[j]];
-    ++corr[cold[j]];
-    --corr[cnew[j]];
+    const int co = cold[j], cn = cnew[j];
+    ranks[j] += corr[co];
+    if (__builtin_expect(co != cn, 0)) {  // rare: no read-modify-write chain through corr per change
+      ++corr[co];
+      --corr[cn];
+    }
   }
   for (int c = 0; c < k; ++c) class_counts[c] = w.cnt[c] + corr[c];
   return 0;
@@ -2072,30 +2075,49 @@ extern "C" int64_t dcr_ctx_encode(const void* cur, int64_t n, int width, int shi
   if (est[0] > min_gain * est[1]) return 1;
   int k = 1;
   for (int e = 0; e < size; ++e) k = std::max(k, cls_map[e] + 1);
-  // each change's old and new class, and the classes' change counts (the sort's starts)
-  int64_t start[17] = {0};
-  for (int64_t j = 0; j < count; ++j) {
+  // each change's old and new class, and the classes' change counts (the sort's starts) in the
+  // first half of the changes and in the second, counted side by side: most changes fall in a
+  // few classes, and one count per class made each increment wait on the last (as the sort below)
+  const int64_t half = count / 2;
+  int64_t start[17] = {0}, first_half[17] = {0};
+  auto classes = [&](int64_t j, int64_t* counts) {
     const uint8_t co = cls_map[e_old[j]];
     cold[j] = co;
     cnew[j] = is_old ? co : cls_map[e_new[j]];
-    ++start[co + 1];
+    ++counts[co + 1];
+  };
+  for (int64_t j = 0; j < half; ++j) {
+    classes(j, first_half);
+    classes(j + half, start);
   }
+  if (count & 1) classes(count - 1, start);
+  for (int c = 1; c <= k; ++c) start[c] += first_half[c];
   int64_t pops[16] = {0};
   if (ctx_ranks_walk(cur, n, width, shift, nbits, cls_map, k, rel, cold, cnew, count, ranks, pops) != 0) return -1;
-  // Counting sort by old class, each class in position order, with each class's token histogram.
+  // Counting sort by old class, each class in position order, with each class's token histogram:
+  // the two halves of the changes side by side, each class's first-half changes placed before
+  // its second-half ones (two chains of increments, and two histogram banks).
   for (int j = 0; j < k; ++j) start[j + 1] += start[j];
-  int64_t at[16];
-  std::memcpy(at, start, sizeof(at));
+  int64_t at[2][16];
+  for (int c = 0; c < 16; ++c) {
+    at[0][c] = start[c];
+    at[1][c] = start[c] + first_half[c + 1];
+  }
   thread_local std::vector<uint64_t> tokh_v;
   tokh_v.assign(static_cast<size_t>(k) * 512, 0);
   uint64_t* const tokh = tokh_v.data();
-  for (int64_t j = 0; j < count; ++j) {
+  auto place = [&](int64_t j, int bank) {
     const int co = cold[j];
-    const int64_t d = at[co]++;
+    const int64_t d = at[bank][co]++;
     sranks[d] = ranks[j];
     stok[d] = tok[j];
-    ++tokh[256 * (2 * co + (j & 1)) + tok[j]];
+    ++tokh[256 * (2 * co + bank) + tok[j]];
+  };
+  for (int64_t j = 0; j < half; ++j) {
+    place(j, 0);
+    place(j + half, 1);
   }
+  if (count & 1) place(count - 1, 1);
   for (int j = 0; j < k; ++j)  // bank 0 of class j ends up at 256 j, where the coder reads it
     for (int s = 0; s < 256; ++s) tokh[256 * j + s] = tokh[512 * j + s] + tokh[512 * j + 256 + s];
   meta[0] = k;
