@@ -111,7 +111,7 @@ def _ctx_share(taken, cur: dict[str, torch.Tensor]) -> tuple[int, int]:
 def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int = 1 << 20,
         json_path: str | None = None, seed: int = 0, apply: str = "sealed", repeats: int = 3,
         deltas: tuple[str, ...] = DELTAS, context_share: bool = True, context: str = "auto",
-        link_hint: bool = True) -> dict:
+        link_hint: bool = True, encode_threads: int | None = None) -> dict:
     from safetensors.torch import save, save_file
 
     from nemo_dcr_callback.bench.fp8 import ulp_step
@@ -141,7 +141,8 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
                        "--versions", str(len(plan)), "--apply", apply], env, work / "receiver.log")
         next_line = rx.next
         next_line()  # receiver ready (registered, holding version 0)
-        sender = TensorSender(cur, context=context, link_mbit=mbit if link_hint else None)
+        sender = TensorSender(cur, context=context, link_mbit=mbit if link_hint else None,
+                              encode_threads=encode_threads)
         print(f"link {mbit:.0f} Mbit/s (tbf, veth between namespaces), model {dense_bytes / 1e9:.2f} GB BF16, "
               f"S3 = SeaweedFS at {s3.endpoint}", flush=True)
         for v, (kind, rate, lr) in enumerate(plan, start=1):
@@ -208,7 +209,7 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
            "link_bytes_per_s": link_bps, "dense_s": dense_s, "dense_upload_s": t_up - t0,
            "dense_transport_s": dense_transport_s, "rows_by_deltas": by_kind,
            "dense_bit_exact_with_dcr": got["bit_exact"], "part_bytes": part_bytes, "apply": apply, "context": context,
-           "link_hint_mbit": mbit if link_hint else None,
+           "link_hint_mbit": mbit if link_hint else None, "encode_threads": sender.encode_threads,
            "repeats": repeats, "rows": rows, "versions": versions,
            "machine": machine(), "wall_s": time.time() - t_start}
     print(f"\nmedian of {repeats} version(s) per change rate (receiver apply: {apply}); dense: "

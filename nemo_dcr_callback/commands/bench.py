@@ -109,6 +109,8 @@ def _refit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-link-hint", action="store_true",
                    help="do not tell the sender the link's rate (dcr.link_mbit): auto then judges by its own "
                         "upload, which here goes to a store on its side of the link")
+    p.add_argument("--encode-threads", type=positive, default=None,
+                   help="tensors the sender encodes at once (default: the kernels' thread count, at most 4)")
     p.add_argument("--no-context-share", action="store_true",
                    help="skip encoding each version again off the path, plain and context-coded (the share "
                         "columns)")
@@ -131,7 +133,8 @@ def _refit(args: argparse.Namespace) -> int:
         raise ValueError(f"--deltas: kinds are {', '.join(refit.DELTAS)}")
     refit.run(args.params, args.mbit, tuple(float(x) for x in args.rates.split(",")), args.part_bytes,
               json_path=args.json, apply=args.apply, repeats=args.repeats, deltas=deltas,
-              context_share=not args.no_context_share, context=args.context, link_hint=not args.no_link_hint)
+              context_share=not args.no_context_share, context=args.context, link_hint=not args.no_link_hint,
+              encode_threads=args.encode_threads)
     return 0
 
 

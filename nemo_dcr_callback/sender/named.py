@@ -18,14 +18,16 @@ compose). The Megatron path (sharded, in the background, many ranks) is Publishe
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.config import PART_BYTES, CommitPolicy, check_link, context_mode
-from nemo_dcr_callback.core import cuda_kernels
+from nemo_dcr_callback.core import cuda_kernels, kernels
 from nemo_dcr_callback.core.delta import Scratch, undo
 from nemo_dcr_callback.core.rawbits import SparseDelta
 from nemo_dcr_callback.protocol import commit, upload
@@ -49,9 +51,17 @@ class NamedSender:
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu",
-                 context: str | bool = "auto", link_mbit: float | None = None):
+                 context: str | bool = "auto", link_mbit: float | None = None, encode_threads: int | None = None):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
+        # Tensors encoded at once (None: the kernels' thread count, at most 4). One sender rank
+        # is the whole publisher here (no Megatron ranks to spread the work), and context
+        # coding costs several times the plain encoder's CPU: encoded one tensor at a time it
+        # was what the refit waited for (docs/PERFORMANCE.md).
+        if encode_threads is not None and encode_threads < 1:
+            raise ValueError(f"encode_threads must be >= 1, not {encode_threads}")
+        self.encode_threads = encode_threads or min(4, kernels.num_threads())
+        self._pool: ThreadPoolExecutor | None = None
         # context coding (codec/context.py; when: config.CONTEXT_MODES) from the baselines,
         # which hold the new bits once a delta is taken; host baselines only (a GPU one would be
         # read back whole each version)
@@ -98,22 +108,48 @@ class NamedSender:
         context_now = context_gate(self.context, w, self.link_mbit, self.world)
         dig = dict(self.digests)
         params = changed = 0
-        for n, d in taken:
-            params += d.numel
-            changed += d.count
-            if d.count:
-                terms = [0, 0]
-                b = self.baselines[n]
-                cur = b if b.is_cpu and context_now() else None
-                for c in codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms,
-                                            current=cur):
+        pool = self._encoders()
+        pending: deque[tuple[str, Future | tuple[list[bytes], list[int]]]] = deque()
+
+        def encode(n: str, d: SparseDelta, cur: torch.Tensor | None) -> tuple[list[bytes], list[int]]:
+            terms = [0, 0]
+            return codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms, current=cur), terms
+
+        def drain(keep: int) -> None:  # in order: the parts and the digests as if encoded one by one
+            while len(pending) > keep:
+                n, got = pending.popleft()
+                chunks, terms = got.result() if isinstance(got, Future) else got
+                for c in chunks:
                     w.add(c)
                     if after_chunk is not None:
                         after_chunk()
                 dig[n] = digest.move(dig[n], terms)
+
+        try:
+            for n, d in taken:
+                params += d.numel
+                changed += d.count
+                if d.count:
+                    b = self.baselines[n]
+                    cur = b if b.is_cpu and context_now() else None
+                    pending.append((n, encode(n, d, cur) if pool is None else pool.submit(encode, n, d, cur)))
+                    drain(0 if pool is None else self.encode_threads)  # a few ahead, not the model's chunks held
+            drain(0)
+        finally:  # (failed: nothing may still read the baselines while roll_back restores them)
+            for _, got in pending:
+                if isinstance(got, Future):
+                    got.cancel()
+            wait([got for _, got in pending if isinstance(got, Future)])
         m = w.finish(params, changed, dig)
         self._pending = dig
         return m
+
+    def _encoders(self) -> ThreadPoolExecutor | None:
+        if self.encode_threads < 2:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="dcr-encode")
+        return self._pool
 
     def settle(self) -> None:
         """The joint commit committed the version written last: keep its digests, drop the undo."""
@@ -141,7 +177,8 @@ class NamedPublisher:
     def __init__(self, store, tensors: Tensors | None, *, policy: CommitPolicy | None = None,
                  config_json: str | None = None, part_bytes: int = PART_BYTES, seal_timeout: float = 600.0,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, context: str | bool = "auto",
-                 link_mbit: float | None = None, log: Callable[[str], None] | None = None):
+                 link_mbit: float | None = None, log: Callable[[str], None] | None = None,
+                 encode_threads: int | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
         self.policy = policy or CommitPolicy()
         self.behind: list[str] = []  # receivers the last decision marked lagging (run_commit)
@@ -163,7 +200,8 @@ class NamedPublisher:
                 _check_names(held, current, f"the store's version {last}")
                 held = {n: t.to(current[n].device) for n, t in held.items()}
         self.last, self.newest = last, newest  # last committed; newest version number used
-        self.sender = NamedSender(held, span=span, level=level, context=context, link_mbit=link_mbit)
+        self.sender = NamedSender(held, span=span, level=level, context=context, link_mbit=link_mbit,
+                                  encode_threads=encode_threads)
         self.sender.tensors = {}  # publish passes the tensors each time: hold the baselines only
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:

@@ -9,15 +9,16 @@ import threading
 import pytest
 import torch
 
+from nemo_dcr_callback import codec
 from nemo_dcr_callback.config import CommitPolicy
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import reconstruct
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.receiver.targets import StateDictTarget
-from nemo_dcr_callback.sender.named import NamedPublisher, PublishError
-from nemo_dcr_callback.transport.store import open_store
+from nemo_dcr_callback.sender.named import NamedPublisher, NamedSender, PublishError
+from nemo_dcr_callback.transport.store import FileStore, open_store
 
-from ..helpers.tensors import perturb, same_bits
+from ..helpers.tensors import adam_like, perturb, same_bits
 from ..helpers.versions import model
 
 
@@ -123,3 +124,47 @@ def test_a_stream_of_tensors_is_published_one_at_a_time(tmp_path):
     d = pub.publish(iter(s2.items()))
     assert d["committed"] and d["version"] == 4 and d["base"] == 1
     assert same_bits(reconstruct(store, 4), s2)
+
+
+@pytest.mark.parametrize("context", ["off", "on"])
+def test_tensors_encoded_at_once_write_the_bytes_of_one_at_a_time(tmp_path, context):
+    """encode_threads: the sender's pool must not change a byte: the same chunks in the same
+    parts, the same digests; and what it wrote applies to the new weights (the oracle)."""
+    pairs = {f"layer.{i}.w": adam_like(64 * 129 * (i % 4 + 1), 1e-3, seed=i) for i in range(12)}
+    old, new = ({k: p[j] for k, p in pairs.items()} for j in (0, 1))  # (context coding wins on them)
+    got = []
+    for threads in (1, 3):
+        store = FileStore(tmp_path / f"threads-{threads}")
+        s = NamedSender(old, context=context, encode_threads=threads)
+        s.tensors = dict(new)
+        s.write(store, 1, 0, s.take(), part_bytes=2 << 10)
+        parts = {k: store.get(k) for k in store.list(commit.vdir(1)) if keys.is_part(k)}
+        got.append((parts, s._pending))
+        assert len(parts) > 3
+    assert got[0] == got[1]
+    chunks = [c for blob in got[1][0].values() for c in codec.split_chunks(blob)]
+    assert any(codec.parse_header(c).classes for c in chunks) == (context == "on")
+    commit.run_commit(store, commit.seal_version(store, 1, 0, 1, timeout=10), CommitPolicy())
+    replica = {k: t.clone() for k, t in old.items()}
+    Follower(store, StateDictTarget(replica), 0).follow(until=1, timeout=30)
+    assert same_bits(replica, new)
+
+
+def test_an_encoder_failing_in_the_pool_fails_the_version_and_rolls_back(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    old = model()
+    new = _next(old, g)
+    real = codec.encode_delta
+
+    def failing(name, *a, **kw):
+        if name == "layer.2.w":
+            raise RuntimeError("encoder failed on layer.2.w")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(codec, "encode_delta", failing)  # (a fault injected into the real encoder)
+    s = NamedSender(old, encode_threads=3)
+    s.tensors = dict(new)
+    with pytest.raises(RuntimeError, match="layer.2.w"):
+        s.stream(FileStore(tmp_path), 1, 0)
+    s.roll_back()
+    assert same_bits({k: b.view(old[k].shape) for k, b in s.baselines.items()}, old)
