@@ -480,45 +480,30 @@ class Follower:
         while until is None or self.version < until:
             try:
                 applied = self.poll(on_apply, until)
-            except StoreError as exc:  # the store is down or failing: keep trying until the deadline
-                warned = _unavailable(exc, deadline, warned, poll_s)
-                continue
-            warned = False
-            if applied:
-                deadline = time.monotonic() + timeout
-            if until is not None and self.version >= until:
-                return
-            now = time.monotonic()
-            left = deadline - now
-            if left < 0:
-                raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
-            if applied or self._parts:  # a version applied or streaming: poll at once
-                pause, last_new = poll_s, now
-            elif now - last_new > IDLE_AFTER_S:  # idle: back off (only where the store is polled)
-                pause = backoff(pause, poll_s, self.idle_poll_s)
-            # a relay's answer names what is new (usually the whole poll)
-            try:
+                warned = False
+                if applied:
+                    deadline = time.monotonic() + timeout
+                if until is not None and self.version >= until:
+                    return
+                now = time.monotonic()
+                left = deadline - now
+                if left < 0:
+                    raise TimeoutError(f"no new version after {timeout:.0f} s (holding {self.version})")
+                if applied or self._parts:  # a version applied or streaming: poll at once
+                    pause, last_new = poll_s, now
+                elif now - last_new > IDLE_AFTER_S:  # idle: back off (only where the store is polled)
+                    pause = backoff(pause, poll_s, self.idle_poll_s)
+                # a relay's answer names what is new (usually the whole poll)
                 self._token, self._news = wait_news(self.store, self._token, pause, min(1.0, left), data_only=True)
-            except StoreError as exc:  # (a relay restarting: the long-poll is where a follower waits)
-                self._news = None
-                warned = _unavailable(exc, deadline, warned, poll_s)
-            if self._news is None:
-                # A gap in the news (a store that cannot name it, a relay whose log does not
-                # reach back, a failover, a restart): the listing kept from before it is not
-                # brought up to date by later news. A poll that skipped listing (parts still
-                # queued) kept it, the next news was empty, and the version's record, written
-                # in the gap, was never seen: the follower waited for ever (CI, under load).
-                self._listed = None
-
-
-def _unavailable(exc: StoreError, deadline: float, warned: bool, poll_s: float) -> bool:
-    """The store failed a follower's call: raise past the deadline, else say so once and pause."""
-    if time.monotonic() > deadline:
-        raise exc
-    if not warned:
-        print(f"nemo-dcr receiver: store unavailable ({exc}); retrying", file=sys.stderr, flush=True)
-    time.sleep(min(1.0, 10 * poll_s))
-    return True
+            except StoreError as exc:  # the store (or a relay, restarting) is failing: retry until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                if not warned:
+                    print(f"nemo-dcr receiver: store unavailable ({exc}); retrying", file=sys.stderr, flush=True)
+                warned, self._news = True, None
+                time.sleep(min(1.0, 10 * poll_s))
+            if self._news is None:  # a gap in the news: later news does not bring the listing kept
+                self._listed = None  # from before it up to date (docs/RELAY.md, long-poll)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
