@@ -109,21 +109,23 @@ class NamedSender:
         dig = dict(self.digests)
         params = changed = 0
         pool = self._encoders()
-        pending: deque[tuple[str, Future | tuple[list[bytes], list[int]]]] = deque()
+        pending: deque[tuple[str, Future]] = deque()
 
         def encode(n: str, d: SparseDelta, cur: torch.Tensor | None) -> tuple[list[bytes], list[int]]:
             terms = [0, 0]
             return codec.encode_delta(n, d, d.new, span=self.span, level=self.level, terms=terms, current=cur), terms
 
+        def add(n: str, chunks: list[bytes], terms: list[int]) -> None:
+            for c in chunks:
+                w.add(c)
+                if after_chunk is not None:
+                    after_chunk()
+            dig[n] = digest.move(dig[n], terms)
+
         def drain(keep: int) -> None:  # in order: the parts and the digests as if encoded one by one
             while len(pending) > keep:
-                n, got = pending.popleft()
-                chunks, terms = got.result() if isinstance(got, Future) else got
-                for c in chunks:
-                    w.add(c)
-                    if after_chunk is not None:
-                        after_chunk()
-                dig[n] = digest.move(dig[n], terms)
+                n, fut = pending.popleft()
+                add(n, *fut.result())
 
         try:
             for n, d in taken:
@@ -132,14 +134,16 @@ class NamedSender:
                 if d.count:
                     b = self.baselines[n]
                     cur = b if b.is_cpu and context_now() else None
-                    pending.append((n, encode(n, d, cur) if pool is None else pool.submit(encode, n, d, cur)))
-                    drain(0 if pool is None else self.encode_threads)  # a few ahead, not the model's chunks held
+                    if pool is None:
+                        add(n, *encode(n, d, cur))
+                    else:
+                        pending.append((n, pool.submit(encode, n, d, cur)))
+                        drain(self.encode_threads)  # a few ahead, not the whole model's chunks held
             drain(0)
         finally:  # (failed: nothing may still read the baselines while roll_back restores them)
-            for _, got in pending:
-                if isinstance(got, Future):
-                    got.cancel()
-            wait([got for _, got in pending if isinstance(got, Future)])
+            for _, fut in pending:
+                fut.cancel()
+            wait([fut for _, fut in pending])
         m = w.finish(params, changed, dig)
         self._pending = dig
         return m
