@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.testing.tensor_sender import publish as _publish
 
 from .tensors import perturb, random_tensor
@@ -33,3 +34,19 @@ def chain(store, steps: int = 3) -> list[dict[str, torch.Tensor]]:
         states.append({k: perturb(t, 0.05, g) for k, t in states[-1].items()})
         publish(store, v, v - 1, states[-2], states[-1])
     return states
+
+
+def copy_damaged(staging, store, v: int, part: str | None = None) -> str:
+    """Copy version v's objects written to `staging` into `store`, one part (default: the
+    first) with a bit flipped, parts first. A follower streams a version while it is written,
+    so a part damaged in place after the write may be held intact already (and then applying
+    it is right); copied in damaged, no reader ever sees it intact. Returns the damaged key."""
+    keys = sorted(staging.list(commit.vdir(v)), key=lambda k: (not k.endswith(".dcr"), k))
+    part = part or keys[0]
+    assert part in keys and part.endswith(".dcr"), (part, keys)
+    for k in keys:
+        blob = bytearray(staging.get(k))
+        if k == part:
+            blob[len(blob) // 2] ^= 0x20
+        store.put(k, bytes(blob))
+    return part

@@ -36,6 +36,7 @@ from nemo_dcr_callback.integrations.vllm_transfer import DCRTrainerInitInfo, HTT
 from nemo_dcr_callback.protocol import commit  # noqa: E402
 from nemo_dcr_callback.sender.named import NamedSender  # noqa: E402
 from nemo_dcr_callback.transport.store import FileStore  # noqa: E402
+from tests.helpers import versions  # noqa: E402
 from tests.helpers.vllm_engines import PROMPTS, dense_versions, generate, stop_engine  # noqa: E402
 
 N = 5
@@ -79,22 +80,14 @@ def _trainer(dirs, store_url: str, client, context: str = "auto", link_mbit: flo
 
 def _corrupt_version(store, staging, v: int, base: int, old, new) -> None:
     """Version v with one part damaged, then committed (no receiver awaited): every engine that
-    reads it must refuse it. It is written to a staging store and copied in with the part
-    already damaged (parts first): the engine's background follower fetches a version's parts
-    while it is unsealed, so a part damaged in place after the write may already be held
-    intact, and then it is rightly applied (a CI run saw exactly that)."""
+    reads it must refuse it. Written to a staging store and copied in damaged
+    (versions.copy_damaged: the engine's background follower would fetch a part damaged in
+    place after the write intact first; a CI run saw exactly that)."""
     stage = FileStore(staging)
     s = NamedSender(old)
     s.tensors = dict(new)
     s.write(stage, v, base, s.take())
-    keys = sorted(stage.list(commit.vdir(v)), key=lambda k: (not k.endswith(".dcr"), k))
-    part = keys[0]
-    assert part.endswith(".dcr"), keys
-    for k in keys:
-        blob = bytearray(stage.get(k))
-        if k == part:
-            blob[len(blob) // 2] ^= 0x20
-        store.put(k, bytes(blob))
+    versions.copy_damaged(stage, store, v)
     rec = commit.seal_version(store, v, base, 1, timeout=30)
     commit.run_commit(store, rec, CommitPolicy(), expected=[])
 
