@@ -342,8 +342,13 @@ inline T ulp_of(T x, T nb) {  // zig-zag ulp difference of a change with XOR x t
 // ryg_rans "rans64"), 12-bit probabilities (the decode table stays in L1), four interleaved
 // states (independent chains the CPU overlaps). A state renormalises at most once per
 // symbol and rarely (about every 19 symbols here), so its branch is cheap. Stream layout:
-//   32-byte presence bitmap, u16 LE frequency per present symbol (ascending symbol order),
-//   u64 LE states 0..3, then u32 LE renormalisation words. Symbol i is coded by state i % 4.
+//   the frequency table (compact, format 3: below), u64 LE states 0..3, then u32 LE
+//   renormalisation words. Symbol i is coded by state i % 4.
+// The table: one byte, bits 0-5 the bytes B (0..32) of a presence bitmap of symbols 0..8B-1,
+// bit 7 whether symbol 255 occurs (never in the bitmap); the bitmap; then each present
+// symbol's frequency - 1 in ascending symbol order, one byte below 128, else two (low 7 bits
+// | 0x80, then the rest). A context-coded chunk carries two small streams per class, and the
+// format 2 table (a 32-byte bitmap, two bytes a frequency) was 7% of its bytes at 1% changed.
 constexpr int kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;
 constexpr uint64_t kRansL = uint64_t(1) << 31;
@@ -410,7 +415,7 @@ inline void enc_put(uint64_t& x, uint32_t*& ptr, const EncSym& e) {
 }
 
 // Upper bound of the rANS output for n symbols (a symbol costs at most 12 bits).
-inline int64_t ans_bound(int64_t n) { return 32 + 512 + 8 * kStates + n + n / 2 + 64; }
+inline int64_t ans_bound(int64_t n) { return 1 + 32 + 2 * 256 + 8 * kStates + n + n / 2 + 64; }
 
 // rANS of n symbols sym(i) whose histogram is hist (counted by the caller: the fused encoder
 // has it from its first pass).
@@ -418,20 +423,30 @@ template <class Sym>
 int64_t ans_encode_with(const uint64_t* hist, int64_t n, Sym&& sym, uint8_t* out, int64_t cap) {
   if (cap < ans_bound(n)) return -1;
   uint32_t freq[256];
-  int64_t k = 32;
-  std::memset(out, 0, 32);
   if (n == 0) {
-    std::memset(out + k, 0, 8 * kStates);
-    return k + 8 * kStates;
+    std::memset(out, 0, 1 + 8 * kStates);
+    return 1 + 8 * kStates;
   }
   normalize_freqs(hist, freq);
+  int top = -1;
+  for (int s = 0; s < 255; ++s)
+    if (freq[s]) top = s;
+  const int nb = top < 0 ? 0 : top / 8 + 1;  // 0 where only 255 occurs
+  out[0] = static_cast<uint8_t>(nb | (freq[255] ? 0x80 : 0));
+  std::memset(out + 1, 0, nb);
+  int64_t k = 1 + nb;
   EncSym es[256];
   uint32_t cum = 0;
   for (int s = 0; s < 256; ++s) {
     if (freq[s]) {
-      out[s >> 3] |= uint8_t(1u << (s & 7));
-      out[k++] = static_cast<uint8_t>(freq[s] & 0xff);
-      out[k++] = static_cast<uint8_t>(freq[s] >> 8);
+      if (s < 255) out[1 + (s >> 3)] |= uint8_t(1u << (s & 7));
+      const uint32_t v = freq[s] - 1;
+      if (v < 128) {
+        out[k++] = static_cast<uint8_t>(v);
+      } else {
+        out[k++] = static_cast<uint8_t>(0x80 | (v & 0x7f));
+        out[k++] = static_cast<uint8_t>(v >> 7);
+      }
       enc_init(es[s], cum, freq[s]);
     }
     cum += freq[s];
@@ -572,7 +587,7 @@ int64_t gaps16_decode(const uint8_t* in, int64_t len, int64_t count, int64_t lo,
 
 extern "C" {
 
-int dcr_abi_version() { return 3; }
+int dcr_abi_version() { return 4; }
 
 // The SIMD path the run-time dispatch picks for the hot loops (the BF16 delta pass, the encoder):
 // 2 AVX-512, 1 AVX2, 0 portable scalar code. The same CPU checks and environment switches as
@@ -1244,17 +1259,26 @@ namespace {
 // states. Returns 0, or < 0 (-1: truncated, -5: bad frequency table, -6: corrupt stream).
 template <class Sink>
 int64_t ans_decode(const uint8_t* in, int64_t len, int64_t n, Sink&& sink) {
-  if (len < 32) return -1;
+  if (len < 1) return -1;
+  const int nb = in[0] & 0x3f;
+  if (nb > 32 || (in[0] & 0x40)) return -5;
+  if (1 + nb > len) return -1;
+  if (nb == 32 && (in[32] & 0x80)) return -5;  // symbol 255 is flagged in the first byte only
   uint32_t freq[256], cumf[256];
-  int64_t k = 32;
+  int64_t k = 1 + nb;
   uint32_t cum = 0;
   for (int s = 0; s < 256; ++s) {
     freq[s] = 0;
-    if (in[s >> 3] & (1u << (s & 7))) {
-      if (k + 2 > len) return -1;
-      freq[s] = uint32_t(in[k]) | (uint32_t(in[k + 1]) << 8);
-      k += 2;
-      if (freq[s] == 0 || freq[s] > kProbScale) return -5;
+    const bool present = s == 255 ? (in[0] & 0x80) != 0 : s < 8 * nb && (in[1 + (s >> 3)] & (1u << (s & 7)));
+    if (present) {
+      if (k >= len) return -1;
+      uint32_t v = in[k++];
+      if (v & 0x80) {
+        if (k >= len) return -1;
+        v = (v & 0x7f) | (uint32_t(in[k++]) << 7);
+      }
+      if (v >= kProbScale) return -5;
+      freq[s] = v + 1;
     }
     cumf[s] = cum;
     cum += freq[s];
@@ -1861,6 +1885,10 @@ extern "C" int64_t dcr_encode_slice(const void* pos, int pos64, int64_t count, i
 namespace {
 
 constexpr int kCtxCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16};
+// A class's tables, as the estimate counts them (context.py CLASS_BYTES, FREQ_BYTES): its two
+// streams' fixed parts and its token frequencies. Measured, not derived: these values gave
+// the smallest versions of the refit benchmark's policy at 1% and 3% (docs/PERFORMANCE.md).
+constexpr double kClassBytes = 80, kFreqBytes = 1.1;
 constexpr int kNCand = 8;
 
 // -sum h log2(h / total) over a histogram's nonzero bins, in bits (context.py _rows_bits).
@@ -1952,7 +1980,7 @@ static void ctx_choose(const double* n_in, const int64_t* c, const uint32_t* th,
       const double pc[2] = {ck[j], nk[j] - ck[j]};
       int nz = 0;
       const double tb = token_bits(tk[j], xl, nz);
-      cost += hist_bits(pc, 2) + tb + 8.0 * (2 * 64 + 2 * 40 + 2 * nz);
+      cost += hist_bits(pc, 2) + tb + 8.0 * (kClassBytes + kFreqBytes * nz);
     }
     if (ci == 0) one = cost;
     if (best < 0 || cost < best_cost) {

@@ -33,6 +33,7 @@ from nemo_dcr_callback.codec.streams import (
     StreamError,
     ans_decode,
     decode_gaps,
+    from_format2,
     join_planes,
     join_tokens,
     token_values,
@@ -69,12 +70,18 @@ def _unzstd(data: memoryview, raw: int) -> np.ndarray:
 
 
 def _streams(mv: memoryview, h: ChunkHeader) -> list[np.ndarray]:
-    """The chunk's streams, zstd undone (rANS streams stay coded: the layout decodes them)."""
+    """The chunk's streams, zstd undone (rANS streams stay coded: the layout decodes them;
+    a format 2 chunk's get format 3's tables)."""
     out, off = [], h.payload_offset
     for raw, stored, codec in h.streams:
         data = mv[off:off + stored]
         off += stored
-        out.append(_unzstd(data, raw) if codec == ZSTD else np.frombuffer(data, dtype=np.uint8))
+        if codec == ZSTD:
+            out.append(_unzstd(data, raw))
+        elif codec == RANS and h.version == 2:
+            out.append(from_format2(data))
+        else:
+            out.append(np.frombuffer(data, dtype=np.uint8))
     return out
 
 

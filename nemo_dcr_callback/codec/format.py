@@ -21,7 +21,10 @@ from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.core.rawbits import bits
 
 MAGIC = b"DCRC"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Versions this build decodes: 2 differs from 3 only in its rANS tables (docs/FORMAT.md),
+# which the decoder rewrites into 3's before decoding (streams.from_format2).
+READS = (2, 3)
 DEFAULT_CHUNK_SPAN = 1 << 24  # positions per chunk: 32 MiB of BF16 per chunk at most
 
 
@@ -127,6 +130,7 @@ class ChunkHeader:
     members: tuple[ChunkHeader, ...] = ()
     offset: int = 0
     classes: int = 0  # context-coded: the number of classes (0: not context-coded)
+    version: int = FORMAT_VERSION  # the chunk's format version (READS)
 
     @property
     def batched(self) -> bool:
@@ -272,7 +276,7 @@ class _MemberHeaders:
 
     def __init__(self, h: dict):
         self.tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (),
-                                       0, h["classes"]), strict=True))
+                                       0, h["classes"], h.get("version", FORMAT_VERSION)), strict=True))
 
     def make(self, name: str, numel: int, count: int, offset: int) -> ChunkHeader:
         mh = object.__new__(ChunkHeader)
@@ -363,6 +367,11 @@ def _unzstd_table(data: bytes, raw: int) -> bytes:
     return out
 
 
+def _version_error(ver: int) -> str:
+    return (f"unsupported chunk format version {ver} (this build reads {' and '.join(map(str, READS))}; "
+            "re-encode the delta with this build)")
+
+
 def _read_header(mv: memoryview, off: int = 0) -> tuple[int, dict]:
     """(end of the chunk, raw header fields) of the chunk at off; _Short if the header is not
     all there yet; ChunkError if no chunk starts there. Only sizes are checked here."""
@@ -370,9 +379,8 @@ def _read_header(mv: memoryview, off: int = 0) -> tuple[int, dict]:
     if bytes(r.take(4)) != MAGIC:
         raise ChunkError(f"no chunk at offset {off} (not a nemo-dcr chunk: bad magic)")
     ver = r.byte()
-    if ver != FORMAT_VERSION:
-        raise ChunkError(f"unsupported chunk format version {ver} (this build reads {FORMAT_VERSION}; "
-                         "re-encode the delta with this build)")
+    if ver not in READS:
+        raise ChunkError(_version_error(ver))
     flags, dcode = r.byte(), r.byte()
     f = {"flags": flags, "dcode": dcode, "numel": r.varint(), "lo": r.varint()}
     f["hi"] = f["lo"] + r.varint()
@@ -410,9 +418,8 @@ def parse_header(buf: bytes | memoryview, verify: bool = True) -> ChunkHeader:
         raise ChunkError(f"truncated chunk ({len(mv)} bytes)")
     if bytes(mv[:4]) != MAGIC:
         raise ChunkError("not a nemo-dcr chunk (bad magic)")
-    if mv[4] != FORMAT_VERSION:
-        raise ChunkError(f"unsupported chunk format version {mv[4]} (this build reads {FORMAT_VERSION}; "
-                         "re-encode the delta with this build)")
+    if mv[4] not in READS:
+        raise ChunkError(_version_error(mv[4]))
     if verify and _SUM.unpack_from(mv, len(mv) - SUM_BYTES)[0] != checksum(mv[:-SUM_BYTES]):
         raise ChunkError("chunk checksum mismatch (corrupt or truncated)")
     try:
@@ -462,7 +469,7 @@ def parse_header(buf: bytes | memoryview, verify: bool = True) -> ChunkHeader:
         elif tcodec != STORED or len(table) != f["traw"]:
             raise ChunkError(f"member table: bad codec {tcodec} (corrupt member table)")
         members = _members(table, f["m"], {"kind": kind, "dtype": info, "gm": gm, "vm": vm, "lay": lay,
-                                           "classes": classes},
+                                           "classes": classes, "version": mv[4]},
                            numel, count)
     else:
         try:
@@ -470,7 +477,7 @@ def parse_header(buf: bytes | memoryview, verify: bool = True) -> ChunkHeader:
         except UnicodeDecodeError:
             raise ChunkError("tensor name is not UTF-8") from None
     return ChunkHeader(name, kind, info, gm, vm, lay, numel, lo, hi, count, tuple(streams), f["payload"], members,
-                       classes=classes)
+                       classes=classes, version=mv[4])
 
 
 def chunk_end(mv: memoryview, off: int) -> int | None:

@@ -37,7 +37,7 @@ def pack_stream(raw, level: int) -> tuple[bytes, int]:
 
 def token_stream(tok: np.ndarray | None, coded: bytes, count: int | None = None) -> Stream:
     """The token stream rANS-coded, or stored where that is smaller (a handful of changes:
-    the rANS table and states alone are 40-100 bytes)."""
+    the rANS table and states alone are 35-100 bytes)."""
     count = tok.size if tok is not None else count
     if len(coded) < count:
         return (count, coded, RANS)

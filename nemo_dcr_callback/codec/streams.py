@@ -258,18 +258,77 @@ def normalize_freqs(hist: np.ndarray) -> np.ndarray:
     return freq
 
 
+def table_bytes(freq: np.ndarray) -> bytes:
+    """The compact frequency table (docs/FORMAT.md, format 3) of a normalised table."""
+    present = [int(s) for s in np.flatnonzero(freq)]
+    below = [s for s in present if s < 255]
+    nb = below[-1] // 8 + 1 if below else 0
+    bitmap = bytearray(nb)
+    out = bytearray()
+    for s in present:
+        if s < 255:
+            bitmap[s >> 3] |= 1 << (s & 7)
+        v = int(freq[s]) - 1
+        out += bytes([v]) if v < 128 else bytes([0x80 | (v & 0x7F), v >> 7])
+    return bytes([nb | (0x80 if 255 in present else 0)]) + bytes(bitmap) + bytes(out)
+
+
+def read_table(data: bytes) -> tuple[list[int], int]:
+    """(frequency per symbol, bytes the compact table takes); StreamError if malformed."""
+    if not data:
+        raise StreamError(ANS_ERRORS[-1])
+    nb = data[0] & 0x3F
+    if nb > 32 or data[0] & 0x40:
+        raise StreamError(ANS_ERRORS[-5])
+    if 1 + nb > len(data):
+        raise StreamError(ANS_ERRORS[-1])
+    if nb == 32 and data[32] & 0x80:
+        raise StreamError(ANS_ERRORS[-5])
+    freq, k = [0] * 256, 1 + nb
+    for s in range(256):
+        if not (data[0] & 0x80 if s == 255 else s < 8 * nb and data[1 + (s >> 3)] & (1 << (s & 7))):
+            continue
+        if k >= len(data):
+            raise StreamError(ANS_ERRORS[-1])
+        v = data[k]
+        k += 1
+        if v & 0x80:
+            if k >= len(data):
+                raise StreamError(ANS_ERRORS[-1])
+            v = (v & 0x7F) | (data[k] << 7)
+            k += 1
+        if v >= PROB_SCALE:
+            raise StreamError(ANS_ERRORS[-5])
+        freq[s] = v + 1
+    return freq, k
+
+
+def from_format2(data: bytes | memoryview | np.ndarray) -> np.ndarray:
+    """A format 2 rANS stream (a 32-byte presence bitmap, two bytes a frequency) with the
+    compact table of format 3 in its place; the states and words are the same in both."""
+    data = bytes(data)
+    if len(data) < 32:
+        raise StreamError(ANS_ERRORS[-1])
+    freq, k = np.zeros(256, dtype=np.int64), 32
+    for s in range(256):
+        if data[s >> 3] & (1 << (s & 7)):
+            if k + 2 > len(data):
+                raise StreamError(ANS_ERRORS[-1])
+            freq[s] = int.from_bytes(data[k:k + 2], "little")
+            k += 2
+            if freq[s] == 0 or freq[s] > PROB_SCALE:
+                raise StreamError(ANS_ERRORS[-5])
+    return np.frombuffer(table_bytes(freq) + data[k:], dtype=np.uint8)
+
+
 def _ans_encode_py(sym: np.ndarray) -> bytes:
     sym = np.asarray(sym, dtype=np.uint8)
     n = sym.size
-    bitmap = bytearray(32)
     if n == 0:
-        return bytes(bitmap) + bytes(8 * STATES)
+        return bytes(1 + 8 * STATES)
     freq = normalize_freqs(np.bincount(sym, minlength=256))
     cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
-    table = bytearray()
-    for s in np.flatnonzero(freq):
-        bitmap[s >> 3] |= 1 << (s & 7)
-        table += int(freq[s]).to_bytes(2, "little")
+    table = table_bytes(freq)
     words: list[int] = []  # renormalisation words in the order the encoder emits them
     x = [RANS_L] * STATES
     for i in range(n - 1, -1, -1):
@@ -282,22 +341,12 @@ def _ans_encode_py(sym: np.ndarray) -> bytes:
         x[i % STATES] = ((st // f) << PROB_BITS) + (st % f) + c
     body = b"".join(v.to_bytes(8, "little") for v in x)
     body += b"".join(w.to_bytes(4, "little") for w in reversed(words))
-    return bytes(bitmap) + bytes(table) + body
+    return table + body
 
 
 def _ans_decode_py(buf: np.ndarray, n: int) -> np.ndarray:
     data = buf.tobytes()
-    if len(data) < 32:
-        raise StreamError(ANS_ERRORS[-1])
-    freq, k = [0] * 256, 32
-    for s in range(256):
-        if data[s >> 3] & (1 << (s & 7)):
-            if k + 2 > len(data):
-                raise StreamError(ANS_ERRORS[-1])
-            freq[s] = int.from_bytes(data[k:k + 2], "little")
-            k += 2
-            if freq[s] == 0 or freq[s] > PROB_SCALE:
-                raise StreamError(ANS_ERRORS[-5])
+    freq, k = read_table(data)
     if n == 0:
         if sum(freq) or k + 8 * STATES != len(data):
             raise StreamError(ANS_ERRORS[-6])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parents[1] / "_lib"
 LIB_NAME = "libdcr_cpu.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 SIMD_PATHS = {2: "AVX-512", 1: "AVX2", 0: "portable"}
 
 _lock = threading.Lock()

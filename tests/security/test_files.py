@@ -130,7 +130,7 @@ def test_diff_refuses_its_own_inputs_and_existing_outputs(tmp_path):
     assert other.read_bytes() == b"keep me"
     p = run("diff", old, new, "-o", other, "-q", "--force")
     assert p.returncode == 0, p.stderr
-    assert other.read_bytes() == (GOLDEN / "delta_v2.dcr").read_bytes()
+    assert other.read_bytes() == (GOLDEN / "delta_v3.dcr").read_bytes()
 
 
 def test_a_huge_claimed_tensor_is_refused_before_any_allocation(work):

@@ -65,11 +65,11 @@ def main(argv: list[str]) -> int:
 
     cli = Path(sys.executable).parent / "nemo-dcr"
     with tempfile.TemporaryDirectory() as tmp:
-        delta = Path(tmp) / "delta_v2.dcr"
+        delta = Path(tmp) / "delta_v3.dcr"
         run(cli, "diff", golden / "old", golden / "new", "-o", delta, "-q")
-        check(delta.read_bytes() == (golden / "delta_v2.dcr").read_bytes(), "diff writes the golden delta's bytes")
+        check(delta.read_bytes() == (golden / "delta_v3.dcr").read_bytes(), "diff writes the golden delta's bytes")
         out = Path(tmp) / "out"
-        run(cli, "patch", golden / "old", golden / "delta_v2.dcr", "-o", out)
+        run(cli, "patch", golden / "old", golden / "delta_v3.dcr", "-o", out)
         names = sorted(p.name for p in (golden / "new").iterdir())
         check(sorted(p.name for p in out.iterdir()) == names, "patch writes new/'s files", names)
         for name in names:
