@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi test-vllm demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
+.PHONY: security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
 
 setup: $(STAMP)
 
@@ -84,6 +84,10 @@ $(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.setup-done
+	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q -m "not slow" tests/integrations/vllm
+
+# every vLLM case, the slow ones too (the second model family trained under torchrun)
+test-vllm-all: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 # The asynchronous RL loop (recipes/rl_demo.py): a GRPO trainer on 2 ranks publishing to a vLLM
