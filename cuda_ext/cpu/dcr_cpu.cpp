@@ -1888,7 +1888,10 @@ constexpr int kCtxCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16};
 // A class's tables, as the estimate counts them (context.py CLASS_BYTES, FREQ_BYTES): its two
 // streams' fixed parts and its token frequencies. Measured, not derived: these values gave
 // the smallest versions of the refit benchmark's policy at 1% and 3% (docs/PERFORMANCE.md).
+// More than 8 classes leave the decoder's walk that counts every class at once, so they are
+// chosen only where they save kWideGain of the best estimate with at most 8 (context.py WIDE_GAIN).
 constexpr double kClassBytes = 80, kFreqBytes = 1.1;
+constexpr double kWideGain = 0.03;
 constexpr int kNCand = 8;
 
 // -sum h log2(h / total) over a histogram's nonzero bins, in bits (context.py _rows_bits).
@@ -1948,8 +1951,8 @@ static void ctx_choose(const double* n_in, const int64_t* c, const uint32_t* th,
     if (i == 0 || logit[i] < lo) lo = logit[i];
     if (i == 0 || logit[i] > hi) hi = logit[i];
   }
-  double best_cost = 0;
-  int best = -1;
+  double best_cost = 0, narrow_cost = 0;
+  int best = -1, best_k = 0, narrow = -1;
   uint8_t cls[kNCand][256];
   const double* xl = xlog2x_table();
   for (int ci = 0; ci < kNCand; ++ci) {
@@ -1986,7 +1989,16 @@ static void ctx_choose(const double* n_in, const int64_t* c, const uint32_t* th,
     if (best < 0 || cost < best_cost) {
       best_cost = cost;
       best = ci;
+      best_k = kk;
     }
+    if (kk <= 8 && (narrow < 0 || cost < narrow_cost)) {
+      narrow_cost = cost;
+      narrow = ci;
+    }
+  }
+  if (best_k > 8 && best_cost > (1 - kWideGain) * narrow_cost) {
+    best = narrow;
+    best_cost = narrow_cost;
   }
   est = best_cost;
   for (int i = 0; i < np_; ++i) out[present[i]] = cls[best][i];
