@@ -1033,6 +1033,58 @@ static int64_t rank_simd(RankWalk& w, int k, const T* v, int64_t n, int shift, i
   w.j = j;
   return (bad & 1) ? -1 : i;
 }
+
+#if defined(__GFNI__) && defined(__AVX512BITALG__)
+// rank_simd for up to 8 classes: every class's count of a block at once, as the decoder's
+// ctx_simd8 counts them (one-hot bytes, an 8x8 bit transpose, byte popcounts), and one compare
+// per change for its own class's lanes. rank_simd's compare and popcount per class and block
+// were most of the sender's walk, and the class estimate now picks 6-8 classes at 1%.
+template <class T>
+static int64_t rank_simd8(RankWalk& w, const T* v, int64_t n, int shift, int nbits, const uint8_t* map256) {
+  const __m512i t0 = _mm512_loadu_si512(map256), t1 = _mm512_loadu_si512(map256 + 64);
+  const __m512i t2 = _mm512_loadu_si512(map256 + 128), t3 = _mm512_loadu_si512(map256 + 192);
+  const uint32_t mask = (1u << nbits) - 1;
+  const __m512i onehot = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m512i rows = _mm512_set1_epi64(0x8040201008040201LL);
+  alignas(64) int64_t cnt[8];
+  for (int c = 0; c < 8; ++c) cnt[c] = w.cnt[c];
+  __m512i cntv = _mm512_load_si512(cnt);
+  const int64_t* __restrict pos = w.pos;
+  const uint8_t* __restrict cold = w.cold;
+  const uint8_t* __restrict cnew = w.cnew;
+  int64_t* __restrict ranks = w.ranks;
+  int64_t j = w.j;
+  uint64_t bad = 0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
+    const __m512i tr = _mm512_gf2p8affine_epi64_epi8(rows, _mm512_shuffle_epi8(onehot, cls), 0);
+    const __m512i pc = _mm512_popcnt_epi8(tr);
+    const __m256i s4 = _mm256_add_epi8(_mm512_castsi512_si256(pc), _mm512_extracti64x4_epi64(pc, 1));
+    const __m128i s2 = _mm_add_epi8(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    const __m512i counts = _mm512_cvtepu8_epi64(_mm_add_epi8(s2, _mm_unpackhi_epi64(s2, s2)));
+    const int64_t end = i + 64;
+    if (pos[j] < end) {
+      _mm512_store_si512(cnt, cntv);
+      int64_t next = pos[j];
+      do {
+        const int off = static_cast<int>(next - i);
+        const int co = cold[j];
+        const uint64_t mo = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(co)));
+        const uint64_t mn = _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8(static_cast<char>(cnew[j])));
+        bad |= ~(mn >> off);  // the caller's new class disagrees with the bits
+        ranks[j] = cnt[co] + __builtin_popcountll(mo & ((uint64_t{1} << off) - 1));
+        next = pos[++j];
+      } while (next < end);
+    }
+    cntv = _mm512_add_epi64(cntv, counts);
+  }
+  _mm512_store_si512(cnt, cntv);
+  for (int c = 0; c < 8; ++c) w.cnt[c] = cnt[c];
+  w.j = j;
+  return (bad & 1) ? -1 : i;
+}
+#endif
 #endif
 
 // Context coding, the sender's walk: for each changed position pos[j] (increasing, relative
@@ -1063,7 +1115,15 @@ static int64_t ctx_ranks_walk(const void* cur, int64_t n, int width, int shift, 
     int64_t done = 0;
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__BMI2__)
     if (!std::getenv("NEMO_DCR_NO_AVX512")) {
+#if defined(__GFNI__) && defined(__AVX512BITALG__)
+      if (k <= 8 && !std::getenv("NEMO_DCR_NO_GFNI")) {
+        done = rank_simd8(w, v, n, shift, nbits, map256);
+      } else {
+        done = rank_simd(w, k, v, n, shift, nbits, map256);
+      }
+#else
       done = rank_simd(w, k, v, n, shift, nbits, map256);
+#endif
       if (done < 0) return false;
     }
 #endif

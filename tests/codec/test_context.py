@@ -144,13 +144,16 @@ def test_compiled_and_numpy_context_decoders_land_on_the_new_bits(dtype, monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("source", ["old", "current"])
-def test_compiled_and_numpy_context_encoders_make_the_same_chunks(dtype, source, monkeypatch):
+@pytest.mark.parametrize("walk", ["default", "NEMO_DCR_NO_GFNI"])  # up to 8 classes counted at once, or per class
+def test_compiled_and_numpy_context_encoders_make_the_same_chunks(dtype, source, walk, monkeypatch):
     """The fused encoder (dcr_ctx_encode: class choice, walk, streams in one call) and the
     numpy one choose the same classes and write the same bytes, from the old bits or from a
-    sender's current ones; and the chunks land on the new tensor."""
+    sender's current ones, with either compiled rank walk; and the chunks land on the new tensor."""
     old, new = adam_like(300_000, 1e-6 if dtype != torch.float32 else 1e-8, 5, dtype)
     d = take_delta(new, old.clone(), keep_new=True)
     kw = {"old": old} if source == "old" else {"current": new}
+    if walk != "default":
+        monkeypatch.setenv(walk, "1")
     compiled = codec.encode_delta("w", d, span=1 << 17, **kw)
     monkeypatch.setattr(context.kernels, "native", lambda: None)
     numpy_made = codec.encode_delta("w", d, span=1 << 17, **kw)
