@@ -833,6 +833,16 @@ static int64_t ctx_simd(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, 
 // add per class, the block costs about half as many instructions at 8 classes; each class's
 // distance to its next rank is kept in a vector, and only a block where one falls inside takes
 // the per-class code.
+// A block's count of each of classes 0..7 (one int64 lane each): each element's class as a
+// one-hot byte, an 8x8 bit transpose per qword (gf2p8affine), byte popcounts, a sum over the qwords.
+static inline __m512i class_counts8(__m512i cls, __m512i onehot, __m512i rows) {
+  const __m512i tr = _mm512_gf2p8affine_epi64_epi8(rows, _mm512_shuffle_epi8(onehot, cls), 0);
+  const __m512i pc = _mm512_popcnt_epi8(tr);
+  const __m256i s4 = _mm256_add_epi8(_mm512_castsi512_si256(pc), _mm512_extracti64x4_epi64(pc, 1));
+  const __m128i s2 = _mm_add_epi8(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  return _mm512_cvtepu8_epi64(_mm_add_epi8(s2, _mm_unpackhi_epi64(s2, s2)));
+}
+
 template <class T>
 static int64_t ctx_simd8(CtxWalk& w, int k, const T* v, int64_t n, int64_t base, int shift, int nbits,
                          const uint8_t* map256) {
@@ -859,11 +869,7 @@ static int64_t ctx_simd8(CtxWalk& w, int k, const T* v, int64_t n, int64_t base,
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
-    const __m512i tr = _mm512_gf2p8affine_epi64_epi8(rows, _mm512_shuffle_epi8(onehot, cls), 0);
-    const __m512i pc = _mm512_popcnt_epi8(tr);
-    const __m256i s4 = _mm256_add_epi8(_mm512_castsi512_si256(pc), _mm512_extracti64x4_epi64(pc, 1));
-    const __m128i s2 = _mm_add_epi8(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-    const __m512i counts = _mm512_cvtepu8_epi64(_mm_add_epi8(s2, _mm_unpackhi_epi64(s2, s2)));
+    const __m512i counts = class_counts8(cls, onehot, rows);
     const __m512i after = _mm512_sub_epi64(remv, counts);
     const __mmask8 hit = _mm512_cmplt_epi64_mask(after, _mm512_setzero_si512());
     if (!hit) {
@@ -1058,11 +1064,7 @@ static int64_t rank_simd8(RankWalk& w, const T* v, int64_t n, int shift, int nbi
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     const __m512i cls = class_bytes(ctx_exps64(v + i, shift, mask), t0, t1, t2, t3, nbits);
-    const __m512i tr = _mm512_gf2p8affine_epi64_epi8(rows, _mm512_shuffle_epi8(onehot, cls), 0);
-    const __m512i pc = _mm512_popcnt_epi8(tr);
-    const __m256i s4 = _mm256_add_epi8(_mm512_castsi512_si256(pc), _mm512_extracti64x4_epi64(pc, 1));
-    const __m128i s2 = _mm_add_epi8(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-    const __m512i counts = _mm512_cvtepu8_epi64(_mm_add_epi8(s2, _mm_unpackhi_epi64(s2, s2)));
+    const __m512i counts = class_counts8(cls, onehot, rows);
     const int64_t end = i + 64;
     if (pos[j] < end) {
       _mm512_store_si512(cnt, cntv);
