@@ -86,7 +86,7 @@ $(VLLM_VENV)/.setup-done: pyproject.toml $(KERNEL_SOURCES)
 test-vllm: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q -m "not slow" tests/integrations/vllm
 
-# every vLLM case, the slow ones too (the second model family trained under torchrun)
+# every vLLM case, the slow ones too (each model family trained and followed, every commit policy)
 test-vllm-all: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 

@@ -45,7 +45,10 @@ def test_the_loop_with_the_engine_killed_and_restarted(tmp_path):
     assert max(held) >= STEPS - 2  # the engine kept up to within a batch or two of the trainer
 
 
-@pytest.mark.parametrize("policy", ["wait", "abort", "quorum"])
+# wait (the policy that could wait forever) in make test-vllm; abort and quorum too in make
+# test-vllm-all (about 45 s each; tests/protocol and tests/faults cover them without vLLM)
+@pytest.mark.parametrize("policy", ["wait", pytest.param("abort", marks=pytest.mark.slow),
+                                    pytest.param("quorum", marks=pytest.mark.slow)])
 def test_the_trainer_never_waits_forever_on_an_engine_that_is_gone(tmp_path, policy):
     """The engine killed and not started again: whatever the joint-commit policy, the trainer
     stops within its timeouts (no fresh rollouts: rl.rollout_timeout; no ack: dcr.ack_timeout)

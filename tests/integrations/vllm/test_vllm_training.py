@@ -37,7 +37,8 @@ def _export(store: FileStore, key: str, out: Path) -> Path:
 FAMILIES = {"llama": [], "qwen2": ["model.add_qkv_bias=true", "dcr.family=qwen2"]}  # qwen2: QKV biases
 
 
-# qwen2 (QKV biases) in make test-vllm; llama too in make test-vllm-all (each about 220 s on 2 cores)
+# qwen2 (QKV biases) in make test-vllm; llama too in make test-vllm-all (each about 220 s on 2
+# cores; llama reaches an engine in make test-vllm through test_vllm_receiver)
 @pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])
 def test_training_tp2_pp2_to_a_vllm_engine(tmp_path, family):
     store_dir = tmp_path / "store"
