@@ -276,7 +276,7 @@ class _MemberHeaders:
 
     def __init__(self, h: dict):
         self.tmpl = dict(zip(_FIELDS, ("", h["kind"], h["dtype"], h["gm"], h["vm"], h["lay"], 0, 0, 0, 0, (), 0, (),
-                                       0, h["classes"], h.get("version", FORMAT_VERSION)), strict=True))
+                                       0, h["classes"], h["version"]), strict=True))
 
     def make(self, name: str, numel: int, count: int, offset: int) -> ChunkHeader:
         mh = object.__new__(ChunkHeader)

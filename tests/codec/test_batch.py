@@ -197,7 +197,8 @@ TABLES = {  # valid member tables: (name, numel, count) per member
     "names at the limit": [("x" * fmt.MAX_NAME, 7, 1), ("x" * (fmt.MAX_NAME - 1) + "y", 7, 2)],
 }
 _H = {"kind": codec.Kind.XOR, "dtype": codec.dtype_info(torch.bfloat16), "gm": codec.GapMode.GAP8,
-      "vm": codec.ValueMode.RAW, "lay": codec.Layout.TOKENS, "classes": 0}
+      "vm": codec.ValueMode.RAW, "lay": codec.Layout.TOKENS, "classes": 0,
+      "version": codec.FORMAT_VERSION}
 
 
 def _compiled_members(table: bytes, m: int) -> tuple[int, list[tuple[str, int, int]]]:
