@@ -300,29 +300,40 @@ def _s3_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _s3_server(args: argparse.Namespace) -> int:
-    from nemo_dcr_callback.transport.seaweed import SeaweedS3  # start-up cost: only when this command runs
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3, StartCancelled  # only when this command runs
 
     s3 = SeaweedS3(args.dir, ip=args.ip, base_port=args.port)
 
     # systemd, docker and timeout stop a service with SIGTERM (a closed terminal: SIGHUP); weed
     # runs in its own session, so without this it would outlive us and keep its ports and data.
     # Installed before weed starts: a stop during its start-up (the first seconds) orphaned it.
-    def stopped(signum, frame):
-        raise _Stopped(signum)
+    # During start-up the handler only records the signal: raised inside Popen, the exception
+    # lost weed's pid before start() could stop it. start() polls the record instead. Same while
+    # stopping: a second signal must not cut stop() short.
+    pending: list[int] = []
+    record_only = True
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    def stopped(signum, frame):
+        pending.append(signum)
+        if not record_only:
+            raise _Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stopped)
     try:
-        s3.start()
+        s3.start(cancelled=lambda: pending)
+        record_only = False
+        if pending:
+            raise _Stopped(pending[0])
         print(f"S3 (SeaweedFS) at {s3.endpoint}, bucket {s3.bucket}; store URL {s3.url()}\n"
               "credentials for clients (never logged elsewhere):", flush=True)
         for k, v in s3.env().items():
             print(f"export {k}={v}", flush=True)
         s3.proc.wait()
-    except (KeyboardInterrupt, _Stopped) as exc:
-        why = signal.Signals(exc.args[0]).name if isinstance(exc, _Stopped) else "interrupted"
-        print(f"nemo-dcr s3-server: {why}: stopping SeaweedFS", flush=True)
+    except (_Stopped, StartCancelled):
+        print(f"nemo-dcr s3-server: {signal.Signals(pending[0]).name}: stopping SeaweedFS", flush=True)
     finally:
+        record_only = True
         s3.stop()
     return 0
 

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nemo_dcr_callback.protocol.store import StoreError
@@ -29,6 +30,10 @@ from nemo_dcr_callback.transport.s3 import S3Store
 # weed mini's listeners, as offsets from a base port (grpc ports explicit too).
 _PORTS = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
           "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "s3.port.iceberg", "s3.port.lance"]
+
+
+class StartCancelled(StoreError):
+    """start() gave up because its caller asked it to (a stop signal); weed is stopped."""
 
 
 def weed_binary() -> str:
@@ -89,7 +94,10 @@ class SeaweedS3:
                 "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": self.endpoint,
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
-    def start(self, timeout: float = 60.0) -> SeaweedS3:
+    def start(self, timeout: float = 60.0, *, cancelled: Callable[[], object] | None = None) -> SeaweedS3:
+        """Start weed and wait until its S3 port answers. `cancelled` is polled during the wait: a
+        stop signal's handler records the signal rather than raising, because an exception raised
+        inside Popen loses the child's pid and would orphan weed."""
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "data").mkdir(exist_ok=True)
         if self.base is None:
@@ -109,6 +117,8 @@ class SeaweedS3:
         deadline = time.monotonic() + timeout
         try:  # whatever ends the wait (a stop signal's exception included), weed does not outlive it
             while True:
+                if cancelled is not None and cancelled():
+                    raise StartCancelled("SeaweedFS start-up cancelled")
                 if self.proc.poll() is not None:
                     raise StoreError(f"SeaweedFS exited with {self.proc.returncode}; see {self.dir / 'weed.log'}")
                 try:

@@ -86,3 +86,32 @@ def test_a_stop_during_start_up_stops_seaweedfs(tmp_path):
             os.kill(pid, signal.SIGKILL)
         if p.poll() is None:
             p.kill()
+
+
+def test_a_cancelled_start_stops_weed_it_already_launched(tmp_path):
+    """The stop above flaked once in CI: the SIGTERM landed inside Popen, the handler's exception
+    lost weed's pid, and stop() had nothing to kill. Now the handler only records the signal
+    during start-up and start() polls it once weed's pid is known. This drives that poll
+    directly: weed is launched, the first poll says stop, and no weed survives."""
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3, StartCancelled
+
+    data = tmp_path / "s3data"
+    s3 = SeaweedS3(data)
+    polls = []
+
+    def cancelled():
+        polls.append(weed_pids(data) or s3.proc.pid)
+        return True
+
+    try:
+        with pytest.raises(StartCancelled, match="cancelled"):
+            s3.start(cancelled=cancelled)
+        assert polls and polls[0], "start() never launched weed before polling"
+        assert s3.proc is None
+        deadline = time.monotonic() + 15
+        while weed_pids(data) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not weed_pids(data), "weed outlived a cancelled start"
+    finally:
+        for pid in weed_pids(data):
+            os.kill(pid, signal.SIGKILL)
