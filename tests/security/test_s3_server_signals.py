@@ -29,6 +29,13 @@ def weed_pids(data_dir: Path) -> list[int]:
     return out
 
 
+def assert_weed_gone(data_dir: Path, why: str) -> None:
+    deadline = time.monotonic() + 15
+    while weed_pids(data_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not weed_pids(data_dir), why
+
+
 def port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -77,10 +84,7 @@ def test_a_stop_during_start_up_stops_seaweedfs(tmp_path):
         p.wait(30)
         out = p.stdout.read()
         assert "S3 (SeaweedFS) at" not in out, out  # (it was still starting)
-        deadline = time.monotonic() + 15
-        while weed_pids(data) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not weed_pids(data), "weed outlived s3-server stopped during start-up"
+        assert_weed_gone(data, "weed outlived s3-server stopped during start-up")
     finally:
         for pid in weed_pids(data):
             os.kill(pid, signal.SIGKILL)
@@ -108,10 +112,7 @@ def test_a_cancelled_start_stops_weed_it_already_launched(tmp_path):
             s3.start(cancelled=cancelled)
         assert polls and polls[0], "start() never launched weed before polling"
         assert s3.proc is None
-        deadline = time.monotonic() + 15
-        while weed_pids(data) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not weed_pids(data), "weed outlived a cancelled start"
+        assert_weed_gone(data, "weed outlived a cancelled start")
     finally:
         for pid in weed_pids(data):
             os.kill(pid, signal.SIGKILL)
