@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
+.PHONY: wheelhouse device-dry-run security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
 
 setup: $(STAMP)
 
@@ -172,6 +172,38 @@ wheel-smoke: setup
 	$(WHEEL_VENV)/bin/pip install -q "$(TORCH)"
 	$(WHEEL_VENV)/bin/pip install -q dist/nemo_dcr_callback-*.whl "$(TORCH)"
 	cd $$(mktemp -d) && $(CURDIR)/$(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
+
+# Issue 51's GPU run (scripts/device_check.sh --e2e). The device machine has Python 3.12 with
+# torch, transformers, lightning, safetensors, xxhash and numpy, and reaches no registry: what
+# else the run needs travels with the tree as wheels in .whl/ (about 8 MB), installed offline
+# there. The pins are the versions .venv resolves; WHEEL_PY picks the interpreter's tag.
+WHEEL_PY ?= 3.12
+WHEELHOUSE ?= .whl
+DEVICE_PKGS := megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 zstandard==0.25.0
+wheelhouse:
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(WHEELHOUSE) $(DEVICE_PKGS)
+	$(PYTHON) -m pip wheel -q --no-deps -w $(WHEELHOUSE) antlr4-python3-runtime==4.9.3  # (an sdist on PyPI)
+	@du -sh $(WHEELHOUSE); ls $(WHEELHOUSE)
+
+# The device run's dry run, on this CPU machine: a fresh venv holding what the device image
+# holds (not what the wheelhouse brings), the wheelhouse for this Python installed offline by
+# the script itself, then the script's CPU path (the tiny model; the CUDA library compiled).
+DEVICE_VENV := .venv-device
+DEVICE_IMAGE_PKGS := transformers==5.25.0 lightning==2.6.6 safetensors==0.8.0 xxhash==4.1.0 numpy pyyaml
+$(DEVICE_VENV)/.setup-done:
+	test -x $(DEVICE_VENV)/bin/python || $(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install -q "$(TORCH)"
+	$(DEVICE_VENV)/bin/pip install -q $(DEVICE_IMAGE_PKGS) "$(TORCH)"
+	touch $@
+
+device-dry-run: $(DEVICE_VENV)/.setup-done
+	$(MAKE) wheelhouse
+	@echo "wheelhouse for the device (cp$(subst .,,$(WHEEL_PY))): $$(du -sb $(WHEELHOUSE) | cut -f1) bytes; the tree: $$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) bytes (64 MiB travel)"
+	$(MAKE) wheelhouse WHEEL_PY=3.11 WHEELHOUSE=.whl-dry
+	DCR_WHEELHOUSE=.whl-dry DCR_SITE=$$(mktemp -d) PYTHON=$(DEVICE_VENV)/bin/python bash scripts/device_check.sh --e2e --dry-run
 
 clean:
 	rm -rf $(VENV) $(WHEEL_VENV) $(MPICH_VENV) $(VLLM_VENV) $(NEMO_VENV) $(VERL_VENV) cuda_ext/build build dist .pytest_cache .ruff_cache

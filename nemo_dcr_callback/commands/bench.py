@@ -249,6 +249,24 @@ def _cuda(args: argparse.Namespace) -> int:
                     args.reps, args.json, check=not args.skip_check)
 
 
+# ------------------------------------------------------------------------- e2e
+def _e2e_arguments(p: argparse.ArgumentParser) -> None:
+    from nemo_dcr_callback.bench.e2e import MODELS  # (a table of dicts: no torch)
+
+    p.add_argument("--model", choices=sorted(MODELS), default="1b", help="1b on a GPU; tiny: the CPU dry run")
+    p.add_argument("--steps", type=positive, default=10, help="training steps per run (three runs)")
+    p.add_argument("--workdir", default=None, help="stores and logs (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds each run may take")
+    p.add_argument("--json", default=None, help="results file")
+
+
+def _e2e(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import e2e  # start-up cost: only when this benchmark runs
+
+    res = e2e.run(args.model, args.steps, args.json, args.workdir, args.timeout)
+    return 0 if res["met"]["bit_exact"] else 1
+
+
 COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
     Command("codec", "codec ratio and speed vs simple schemes and the bound", _codec, _codec_arguments),
     Command("placement", "map building and projection speed (launches torchrun)", _placement,
@@ -266,4 +284,6 @@ COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
     Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,
             _relay_arguments),
     Command("cuda", "CUDA kernels: check vs the CPU reference, time vs a device copy (GPU)", _cuda, _cuda_arguments),
+    Command("e2e", "a training step publishing and a receiver applying on one device (GPU; CPU: dry run)", _e2e,
+            _e2e_arguments),
 ))

@@ -52,6 +52,9 @@ def _receive_arguments(p: argparse.ArgumentParser) -> None:
                         "longest pause between polls (each poll of S3 is a LIST request; relays are long-polled)")
     p.add_argument("--apply", choices=["loader", "direct"], default="loader",
                    help="place changes through the model's own loader (default) or write tensors directly")
+    p.add_argument("--device", default="cpu",
+                   help="with a Hugging Face model: where it lives, e.g. cuda or cuda:1 (changes are then "
+                        "applied there by the CUDA kernels)")
     p.add_argument("--json", action="store_true",
                    help="progress as one JSON object per line (ready, then one per version applied)")
 
@@ -83,6 +86,9 @@ def _receive(args: argparse.Namespace) -> int:
         args.id = receiver_id(args.id)
     if sum(bool(x) for x in (args.model_dir, args.fp8_dir, args.vllm, args.hf_model)) > 1:
         raise ValueError("give one of --hf-model, --model-dir, --fp8-dir and --vllm")
+    if args.device != "cpu" and (args.vllm or args.model_dir or args.fp8_dir):
+        raise ValueError("--device places a Hugging Face model; --model-dir and --fp8-dir patch files, and "
+                         "--vllm takes vLLM's own device options in --vllm-args")
     if args.vllm:
         from nemo_dcr_callback.integrations import vllm_serve  # start-up cost: only when this command runs
 
@@ -96,7 +102,7 @@ def _receive(args: argparse.Namespace) -> int:
                                idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
     return run_receive(args.store, args.hf_model, args.follow, args.until, args.verify, args.timeout,
                        args.apply, receiver_id=args.id, fetch_lanes=args.fetch_lanes,
-                       idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json)
+                       idle_poll_s=args.idle_poll_ms / 1e3, json_lines=args.json, device=args.device)
 
 
 # ------------------------------------------------------------------------ plan

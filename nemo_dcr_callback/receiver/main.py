@@ -71,6 +71,21 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
     return None
 
 
+def _device(name: str) -> torch.device:
+    """The receiver's device, refused by name where it cannot be used."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch sees no CUDA device here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return dev
+
+
 def _emit(json_lines: bool, text: str, **fields) -> None:
     """One line of progress: the text, or with --json the fields as one JSON object (for fleet
     tooling to read)."""
@@ -94,10 +109,14 @@ def _digest_note(a: Applied) -> str:
 
 def run_receive(url: str, hf_model: str | None, follow: bool, until: int | None, verify: bool,
                 timeout: float, apply: str = "loader", receiver_id: str | None = None,
-                fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1, json_lines: bool = False) -> int:
+                fetch_lanes: int = FETCH_LANES, idle_poll_s: float = 0.1, json_lines: bool = False,
+                device: str = "cpu") -> int:
     cfg = FollowerConfig(receiver_id=receiver_id, fetch_lanes=fetch_lanes, idle_poll_s=idle_poll_s)
+    dev = _device(device)  # (refused before the model is loaded: seconds to minutes)
     store = open_store(url)
     model, held = load_model(store, hf_model, timeout)
+    if dev.type != "cpu":
+        model.to(dev)
     tensors = model.state_dict()
     if apply == "loader":  # through the model's own loading code (load_state_dict), see targets/loader.py
         shapes = {k: (v.shape, v.dtype) for k, v in tensors.items()}

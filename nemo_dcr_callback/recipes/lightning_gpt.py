@@ -23,7 +23,8 @@ from nemo_dcr_callback.recipes.megatron_model import (
     wrap_for_training,
 )
 
-STEP_CLOCK_ENV = "NEMO_DCR_STEP_CLOCK"  # set: rank 0 prints each step's start (monotonic clock)
+STEP_CLOCK_ENV = "NEMO_DCR_STEP_CLOCK"  # set: rank 0 prints each step's start (monotonic clock) and its peak memory
+PEAK_MEMORY = "NEMO_DCR_PEAK_MEMORY"  # the line's first word: bytes, then what was measured
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -86,6 +87,8 @@ class MegatronGPTModule(L.LightningModule):
             return
         init_distributed(self.tp, self.pp, self.ep, self.etp)
         self.megatron = build_model(self.cfg, seed=self.seed)
+        if torch.cuda.is_available():  # as Megatron's get_model: on the GPU before DDP's buffers and the fp32 masters
+            self.megatron.cuda(torch.cuda.current_device())
         if self.checkpoints is not None:  # before the optimizer copies the weights into its fp32 masters
             self.checkpoints.restore(self.megatron)
         self._ddp, self._opt = wrap_for_training(self.megatron, lr=self.lr,
@@ -132,6 +135,17 @@ class MegatronGPTModule(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.checkpoints is not None:
             self.checkpoints.step(self.megatron)
+
+    def on_train_end(self) -> None:
+        if not os.environ.get(STEP_CLOCK_ENV) or self.trainer.global_rank != 0:
+            return
+        if torch.cuda.is_available():  # the tensors' peak: the callback's baselines and buffers show here
+            print(f"{PEAK_MEMORY} {torch.cuda.max_memory_allocated()} cuda_max_allocated", flush=True)
+        else:
+            import resource
+
+            print(f"{PEAK_MEMORY} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024} host_max_rss",
+                  flush=True)
 
 
 class StepCheckpoints:

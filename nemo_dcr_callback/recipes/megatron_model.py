@@ -264,7 +264,7 @@ def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | No
     def forward_step(data_iterator, model):
         t = next(data_iterator)
         inp, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()
-        pos = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        pos = torch.arange(seq, device=inp.device).unsqueeze(0).expand(batch, -1)  # (on the batch's device)
         out = model(inp, pos, None, labels=labels)
 
         def loss_func(output):

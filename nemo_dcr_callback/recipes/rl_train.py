@@ -84,7 +84,7 @@ def pg_step(ddp, opt, tokens, weights, cfg) -> float | None:
     def forward_step(data_iterator, model):
         t, w = next(data_iterator)
         inp, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()
-        pos = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        pos = torch.arange(seq, device=inp.device).unsqueeze(0).expand(batch, -1)
         out = model(inp, pos, None, labels=labels)
 
         def loss_func(output):

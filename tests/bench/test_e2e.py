@@ -1,0 +1,25 @@
+"""`nemo-dcr bench e2e` (issue 51): the device run's logic, on the CPU with the tiny model.
+The GPU run itself is scripts/device_check.sh --e2e; this is its dry run's core."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_dcr_callback.bench import e2e
+
+
+def test_the_device_model_is_about_a_billion_params():
+    assert 0.9e9 < e2e._params(e2e.MODELS["1b"]) < 1.1e9
+
+
+@pytest.mark.slow  # three training runs and two receivers: about 40 s
+def test_tiny_run_end_to_end_every_version_bit_exact(tmp_path):
+    res = e2e.run("tiny", steps=3, json_path=str(tmp_path / "e2e.json"), workdir=str(tmp_path / "work"))
+    assert res["device"] == "cpu"
+    assert res["params"] == e2e._params(e2e.MODELS["tiny"])  # the estimate is the model's count
+    assert res["versions_applied"] == res["digests_checked"] == 3
+    assert res["versions_checked"] == res["versions_bit_exact"] == 3 and res["met"]["bit_exact"]
+    assert res["base"]["step_ms"] > 0 and res["dcr"]["step_ms"] > 0
+    assert res["base"]["peak_memory_bytes"] > 0 and res["dcr"]["peak_memory_kind"] == "host_max_rss"
+    assert res["dcr"]["change_rate"] > 0 and res["dcr"]["bytes"] > 0
+    assert (tmp_path / "e2e.json").exists()
