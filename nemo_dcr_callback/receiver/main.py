@@ -66,6 +66,8 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
     ref = load(store.get(commit.verify_key(v)))
     for name, t in ref.items():
         mine = tensors.get(name)
+        if mine is not None and mine.device != t.device:  # a model on a GPU (--device): compared on the host
+            mine = mine.cpu()
         if mine is None or mine.shape != t.shape or not torch.equal(bits(mine.contiguous()), bits(t.contiguous())):
             return name
     return None

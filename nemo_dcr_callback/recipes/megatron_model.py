@@ -125,6 +125,10 @@ def build_model(cfg: TinyGPTConfig, seed: int = 1234):
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     torch.manual_seed(seed)
+    if torch.cuda.is_available():  # the tracker that attention dropout forks (megatron_cpu stubs it on CPU)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     tcfg = transformer_config(cfg, tp, pp)
     if cfg.multi_latent_attention or cfg.moe_first_dense_layers:  # layers that differ: a block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
