@@ -170,7 +170,11 @@ def _with_receiver(root: Path, name: str, steps: int, model: dict, device: str, 
           + (", checking every version against the dense export" if verify else ""), flush=True)
     rx = _Receiver(url, steps, device, verify, root / f"receiver-{name}.log")
     run_dir = root / name
-    tr = _trained(_train(run_dir, steps, model, [f"dcr.store={url}", *dcr]), run_dir, timeout)
+    try:
+        tr = _trained(_train(run_dir, steps, model, [f"dcr.store={url}", *dcr]), run_dir, timeout)
+    except BaseException:
+        rx.p.kill()  # (it would wait for versions that never come)
+        raise
     applied = rx.finish(timeout)
     return {**tr, **_published(store)}, applied
 
@@ -188,10 +192,27 @@ def run(model: str = "1b", steps: int = 10, json_path: str | None = None, workdi
     t0 = time.time()
     copy = copy_gbps(params, device)
     print(f"  a {device} copy of {2 * params / 1e9:.3f} GB: {copy:.1f} GB/s", flush=True)
+    # Each run's figures are written as soon as it ends: a device lent for minutes that runs out,
+    # or a run that fails, still leaves what the earlier runs measured.
+    partial = {"benchmark": "e2e", "partial": True, "device": device, "model": model, "steps": steps,
+               "copy_gbps": copy, "machine": machine()}
+
+    def stage(name: str, fn):
+        try:
+            partial[name] = fn()
+        except Exception as exc:
+            partial["error"] = f"{name}: {exc}"
+            raise
+        finally:
+            if json_path:
+                write_json(json_path, partial, quiet=True)
+        return partial[name]
+
     print(f"  base: training {steps} steps without the callback", flush=True)
-    base = _trained(_train(root / "base", steps, cfg, None), root / "base", timeout)
-    dcr, applied = _with_receiver(root, "dcr", steps, cfg, device, [], False, timeout)
-    oracle, checked = _with_receiver(root, "oracle", steps, cfg, device, ["dcr.export_every=1"], True, timeout)
+    base = stage("base", lambda: _trained(_train(root / "base", steps, cfg, None), root / "base", timeout))
+    dcr, applied = stage("dcr", lambda: _with_receiver(root, "dcr", steps, cfg, device, [], False, timeout))
+    oracle, checked = stage("oracle", lambda: _with_receiver(root, "oracle", steps, cfg, device,
+                                                              ["dcr.export_every=1"], True, timeout))
     params = dcr["params"]  # (the model's, exactly: the estimate above only sized the copy)
     pause_ms = statistics.median([a["apply_ms"] for a in applied]) if applied else float("nan")
     delta_gbps = 2 * params / (dcr["kernel_ms"] / 1e3) / 1e9

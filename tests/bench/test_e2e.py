@@ -23,3 +23,21 @@ def test_tiny_run_end_to_end_every_version_bit_exact(tmp_path):
     assert res["base"]["peak_memory_bytes"] > 0 and res["dcr"]["peak_memory_kind"] == "host_max_rss"
     assert res["dcr"]["change_rate"] > 0 and res["dcr"]["bytes"] > 0
     assert (tmp_path / "e2e.json").exists()
+
+
+@pytest.mark.slow  # a training run that fails at start-up: about 15 s
+def test_a_failed_run_is_reported_and_leaves_no_receiver_waiting(tmp_path, monkeypatch):
+    """A device lent for minutes must not be spent on a receiver waiting for versions that a
+    crashed trainer will never publish; the runs before it are kept in the JSON."""
+    started = []
+    real = e2e._Receiver.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        started.append(self.p)
+
+    monkeypatch.setattr(e2e._Receiver, "__init__", spy)
+    bad = dict(e2e.MODELS["tiny"], num_attention_heads=3)  # 256 is not divisible by 3: the trainer fails
+    with pytest.raises(RuntimeError, match="training run .* failed"):
+        e2e._with_receiver(tmp_path, "dcr", 2, bad, "cpu", [], False, timeout=120)
+    assert started and started[0].wait(10) is not None  # killed, not left polling
