@@ -17,6 +17,7 @@ counts what is not chunk payload (chunk headers, part and rank manifests, the ve
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
@@ -103,22 +104,29 @@ def _decode_apply(delta: Path, old: dict, new: dict, reps: int) -> tuple[float, 
             flat[k].copy_(v.reshape(-1))
 
     times, copies, ratios = [], [], []
-    for _ in range(max(reps, 5)):
-        reset()
-        t0 = time.perf_counter()
-        for k, v in src.items():
-            flat[k].copy_(v)
-        t1 = time.perf_counter()
-        reset()
-        t2 = time.perf_counter()
-        for b in blobs:
-            h = codec.parse_header(b)
-            parts = codec.decode_parts(b, h, old=lambda m: flat[m.name])
-            codec.apply_all(parts, [flat[d.header.name] for d in parts])
-        t3 = time.perf_counter()
-        copies.append(t1 - t0)
-        times.append(t3 - t2)
-        ratios.append((t1 - t0) / (t3 - t2))
+    # Timed with the heap frozen, as receivers run (freeze_long_lived): a full collection here
+    # scanned the corpus's models and torch's objects inside the timed decode (docs/PERFORMANCE.md).
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(max(reps, 5)):
+            reset()
+            t0 = time.perf_counter()
+            for k, v in src.items():
+                flat[k].copy_(v)
+            t1 = time.perf_counter()
+            reset()
+            t2 = time.perf_counter()
+            for b in blobs:
+                h = codec.parse_header(b)
+                parts = codec.decode_parts(b, h, old=lambda m: flat[m.name])
+                codec.apply_all(parts, [flat[d.header.name] for d in parts])
+            t3 = time.perf_counter()
+            copies.append(t1 - t0)
+            times.append(t3 - t2)
+            ratios.append((t1 - t0) / (t3 - t2))
+    finally:
+        gc.unfreeze()
     return statistics.median(times), copies, ratios, flat
 
 
