@@ -156,8 +156,9 @@ class _Receiver:
             self.p.kill()
             rc = "timeout"
         self.th.join(5)
-        if rc != 0:
-            raise RuntimeError(f"receiver failed ({rc}): see {self.log.name}")
+        if rc != 0:  # (its log's end in the error: on a lent device the work folder is gone afterwards)
+            self.log.flush()
+            raise RuntimeError(f"receiver failed ({rc}):\n{Path(self.log.name).read_text()[-4000:]}")
         return [e for e in self.events if e.get("event") == "applied"]
 
 
