@@ -41,3 +41,37 @@ def test_a_failed_run_is_reported_and_leaves_no_receiver_waiting(tmp_path, monke
     with pytest.raises(RuntimeError, match="training run .* failed"):
         e2e._with_receiver(tmp_path, "dcr", 2, bad, "cpu", [], False, timeout=120)
     assert started and started[0].wait(10) is not None  # killed, not left polling
+
+
+@pytest.mark.slow  # a 0.98B-param model built on the CPU: about a minute, 4 GB
+def test_the_device_model_exports_what_transformers_loads(tmp_path):
+    """The GPU run's model, checked here for what a wrong table entry would cost a lent device:
+    megatron-core builds it with the estimated parameter count, and its dense export (the
+    keyframe the receiver loads) has exactly the transformers Llama's names and shapes."""
+    import os
+    import subprocess
+    import sys
+
+    from nemo_dcr_callback.launcher import free_port
+
+    code = """
+import torch
+from nemo_dcr_callback.bench.e2e import MODELS, _params
+from nemo_dcr_callback.placement import FAMILIES, dense_export
+from nemo_dcr_callback.recipes.lightning_gpt import init_distributed
+from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig, build_model, hf_config
+from transformers import AutoModelForCausalLM
+init_distributed(1, 1)
+cfg = TinyGPTConfig(**MODELS["1b"])
+m = build_model(cfg)
+assert sum(p.numel() for p in m.parameters()) == _params(MODELS["1b"])
+exp = dense_export(m, FAMILIES["llama"], cfg.vocab_size)
+with torch.device("meta"):
+    sd = AutoModelForCausalLM.from_config(hf_config(cfg, "llama"), dtype=torch.bfloat16).state_dict()
+assert sorted(sd) == sorted(exp), (sorted(set(sd) ^ set(exp)))[:5]
+assert all(tuple(sd[k].shape) == tuple(exp[k].shape) for k in exp)
+print("ok", len(exp))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "MASTER_PORT": str(free_port())}, cwd=tmp_path)
+    assert r.returncode == 0 and "ok 165" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
