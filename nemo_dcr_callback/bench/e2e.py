@@ -18,7 +18,6 @@ the apply are compared with. Writes JSON (--json) and prints a table last.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from nemo_dcr_callback.bench.overhead import step_metrics
 from nemo_dcr_callback.bench.results import machine, write_json
 from nemo_dcr_callback.launcher import torchrun_cmd
 
@@ -109,8 +109,7 @@ def _trained(p: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
     text = (run_dir / "train.log").read_text()
     if rc != 0:
         raise RuntimeError(f"training run in {run_dir} failed ({rc}):\n{text[-4000:]}")
-    rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
-    by_step = {int(r["step"]): float(r["step_ms"]) for r in rows if r.get("step_ms")}
+    rows, by_step = step_metrics(run_dir)
     timed = [ms for s, ms in sorted(by_step.items()) if s >= WARMUP] or list(by_step.values())
     peak = [ln.split() for ln in text.splitlines() if ln.startswith(PEAK_MEMORY)]
 
@@ -227,7 +226,7 @@ def run(model: str = "1b", steps: int = 10, json_path: str | None = None, workdi
            "apply_vs_copy": apply_gbps / copy, "versions_applied": len(applied),
            "versions_bit_exact": exact, "versions_checked": len(checked),
            "digests_checked": sum(1 for a in applied if a.get("digests_checked")),
-           "targets": TARGETS, "machine": machine(), "wall_s": time.time() - t0}
+           "targets": TARGETS, "machine": partial["machine"], "wall_s": time.time() - t0}
     res["met"] = {"bit_exact": exact == steps == len(checked), "overhead": res["overhead"] <= TARGETS["overhead"],
                   "delta_vs_copy": res["delta_vs_copy"] >= TARGETS["delta_vs_copy"]}
     if json_path:

@@ -38,6 +38,13 @@ def _role(cmd: str) -> str:
     return "trainer" if "train.py" in cmd and "torch.distributed.run" not in cmd else "other"
 
 
+def step_metrics(run_dir: Path) -> tuple[list[dict], dict[int, float]]:
+    """A training recipe run's CSV log: its rows, and each step's wall time (`step_ms`) by step."""
+    with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    return rows, {int(r["step"]): float(r["step_ms"]) for r in rows if r.get("step_ms")}
+
+
 def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], warmup: int = 3,
          alternate: int = 0) -> tuple[list[float], dict, dict[int, float]]:
     """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
@@ -65,9 +72,8 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
             raise RuntimeError(text[-4000:])
     starts = {int(w[1]): float(w[2]) for w in (ln.split() for ln in text.splitlines())
               if len(w) == 3 and w[0] == STEP_CLOCK_ENV}
-    rows = list(csv.DictReader(open(next(run_dir.glob("logs/version_*/metrics.csv")))))
+    rows, by_step = step_metrics(run_dir)
     times = [float(r["step_ms"]) for r in rows if r.get("step_ms")]
-    by_step = {int(r["step"]): float(r["step_ms"]) for r in rows if r.get("step_ms")}
     cpu: dict[str, float] = {}
     # the training part of the run, after the warm-up steps (before: imports, model building,
     # the callback's workers starting, whose CPU is not a step's)
