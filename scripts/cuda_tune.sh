@@ -4,7 +4,7 @@
 # `cuda_ext/build.py --cuda --defines`, loaded through NEMO_DCR_CUDA_LIB, checked against the CPU
 # reference and timed by bench/cuda.py; a table of the variants comes last, and
 # $OUT/cuda_tune.json (else benchmarks/results/cuda_tune.json).
-#   bash scripts/cuda_tune.sh                      # the variants below
+#   bash scripts/cuda_tune.sh                      # the variants below (CUDA_TUNE_SET: which)
 #   bash scripts/cuda_tune.sh "" "-DDCR_BLOCK=128"  # these ("" is the defaults)
 # Needs what scripts/device_check.sh needs; about 20 s per variant on an H200.
 set -uo pipefail
@@ -12,12 +12,26 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 SIZES=${SIZES_MIB:-1024}
+# The default set: the kernel as shipped, then the variants issue 51 asks to measure that no
+# device run has measured yet (docs/CUDA.md, "Variants prepared, not yet measured"): rereading
+# changed vectors from L2 (alone, then with the registers it frees turned into resident blocks),
+# fewer vectors per tile, 8-byte vectors, and the two-phase count + prefix + write pass. CUDA_TUNE_SET=measured runs
+# the earlier sweep (docs/CUDA.md, "What was tried"); CUDA_TUNE_SET=all both.
+DEFAULT_VARIANTS=("" "-DDCR_REREAD=1" "-DDCR_REREAD=1 -DDCR_MIN_BLOCKS=3" "-DDCR_REREAD=1 -DDCR_BLOCK=256 -DDCR_MIN_BLOCKS=6"
+                  "-DDCR_REREAD=1 -DDCR_VECS=2 -DDCR_MIN_BLOCKS=4" "-DDCR_VECS=2" "-DDCR_VEC_BYTES=8"
+                  "-DDCR_TWO_PHASE=1" "-DDCR_TWO_PHASE=1 -DDCR_REREAD=1")
+MEASURED_VARIANTS=("-DDCR_TILE_ORDER=1 -DDCR_FAST_MASK=0" "-DDCR_TILE_ORDER=1" "-DDCR_FAST_MASK=0"
+                   "-DDCR_BLOCK=128" "-DDCR_BLOCK=256" "-DDCR_STREAM_BASE=1" "-DDCR_SLEEP_NS=0" "-DDCR_PERSIST=1"
+                   "-DDCR_PERSIST=1 -DDCR_BLOCK=128" "-DDCR_PERSIST=1 -DDCR_BLOCK=512" "-DDCR_PERSIST=1 -DDCR_STREAM_BASE=1")
 if [ $# -gt 0 ]; then
   variants=("$@")
 else
-  variants=("" "-DDCR_TILE_ORDER=1 -DDCR_FAST_MASK=0" "-DDCR_TILE_ORDER=1" "-DDCR_FAST_MASK=0"
-            "-DDCR_BLOCK=128" "-DDCR_BLOCK=512" "-DDCR_STREAM_BASE=1" "-DDCR_SLEEP_NS=0" "-DDCR_PERSIST=1"
-            "-DDCR_PERSIST=1 -DDCR_BLOCK=128" "-DDCR_PERSIST=1 -DDCR_BLOCK=512" "-DDCR_PERSIST=1 -DDCR_STREAM_BASE=1")
+  case ${CUDA_TUNE_SET:-default} in
+    default) variants=("${DEFAULT_VARIANTS[@]}") ;;
+    measured) variants=("" "${MEASURED_VARIANTS[@]}") ;;
+    all) variants=("${DEFAULT_VARIANTS[@]}" "${MEASURED_VARIANTS[@]}") ;;
+    *) echo "cuda_tune: CUDA_TUNE_SET is default, measured or all, not ${CUDA_TUNE_SET}" >&2; exit 2 ;;
+  esac
 fi
 # The CPU kernels (the reference's compiled path), once for every variant.
 [ -f nemo_dcr_callback/_lib/libdcr_cpu.so ] || $PY cuda_ext/build.py -q \

@@ -33,6 +33,9 @@
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct uint2 {
+  unsigned x, y;
+};
 struct dcr_emu_dim3 {
   unsigned x = 0, y = 1, z = 1;
 };
@@ -189,6 +192,10 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 template <class T>
 T __ldcs(const T* p) {
+  return *p;
+}
+template <class T>
+T __ldcg(const T* p) {
   return *p;
 }
 template <class T>

@@ -31,7 +31,11 @@ namespace {
 // vector before its per-element mask (0 turns it off); streaming (evict-first) loads and
 // stores of the baseline, the look-back's back-off in ns, and resident blocks that each take
 // tile after tile, loading the next while finishing the current (DCR_PERSIST 1); the look-back's
-// depth in groups of 32 predecessors read at once, and the fence before a status store.
+// depth in groups of 32 predecessors read at once, and the fence before a status store. Three
+// more, for issue 51's study: the width of a vector load in bytes (4, 8 or 16), changed vectors
+// loaded again from L2 for the writes (DCR_REREAD 1: the tile's data need not stay in registers
+// through the scan and look-back), and a two-phase pass (DCR_TWO_PHASE 1: a count kernel, a
+// one-block prefix over the tiles' counts, and a write kernel that reads the input again).
 #ifndef DCR_BLOCK
 #define DCR_BLOCK 512
 #endif
@@ -62,6 +66,15 @@ namespace {
 #ifndef DCR_FENCE
 #define DCR_FENCE 1
 #endif
+#ifndef DCR_VEC_BYTES
+#define DCR_VEC_BYTES 16
+#endif
+#ifndef DCR_REREAD
+#define DCR_REREAD 0
+#endif
+#ifndef DCR_TWO_PHASE
+#define DCR_TWO_PHASE 0
+#endif
 
 #if DCR_MIN_BLOCKS > 0
 #define DCR_DELTA_BOUNDS __launch_bounds__(DCR_BLOCK, DCR_MIN_BLOCKS)
@@ -76,6 +89,9 @@ constexpr int kWarps = kBlock / 32;
 constexpr int kVecs = DCR_VECS;  // vectors per thread and tile: independent loads in flight
 static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kWarps <= 32, "DCR_BLOCK: a multiple of 32, at most 1024");
 static_assert(kVecs >= 1 && kVecs <= 4, "DCR_VECS: counts are packed in four 16-bit lanes");
+constexpr int kVecBytes = DCR_VEC_BYTES;  // the fast path's load width
+static_assert(kVecBytes == 4 || kVecBytes == 8 || kVecBytes == 16, "DCR_VEC_BYTES: 4, 8 or 16");
+static_assert(!(DCR_TWO_PHASE && DCR_PERSIST), "DCR_TWO_PHASE and DCR_PERSIST exclude each other");
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned long long kFlagA = 1ull << 62;  // tile status: aggregate of the tile alone
 constexpr unsigned long long kFlagP = 2ull << 62;  // tile status: inclusive prefix
@@ -114,23 +130,26 @@ template <> struct Signed<unsigned short> { using type = short; };
 template <> struct Signed<unsigned int> { using type = int; };
 template <> struct Signed<unsigned long long> { using type = long long; };
 
-// A vector of VB bytes holding E = VB / sizeof(T) elements: 16-byte loads (uint4) on the fast
-// path, one element per "vector" on the scalar path (pointers of different 16-byte phase).
+// A vector of VB bytes holding E = VB / sizeof(T) elements: VB-byte loads (uint4 for 16) on the
+// fast path, one element per "vector" on the scalar path (pointers of different 16-byte phase).
 template <class T, int VB>
 struct Pack {
   static constexpr int E = VB / static_cast<int>(sizeof(T));
-  using V = typename If<VB == 16, uint4, T>::type;
+  using V = typename If<VB == 16, uint4,
+                        typename If<(VB == 8 && E > 1), uint2, typename If<(VB == 4 && E > 1), unsigned, T>::type>::type>::type;
   union {
     V v;
     T e[E];
   };
 };
 
-// Whether any bit of two vectors differs: four word compares on the 16-byte path.
+// Whether any bit of two vectors differs: word compares on the 16- and 8-byte paths.
 template <class T, int VB>
 __device__ __forceinline__ bool differs(const Pack<T, VB>& a, const Pack<T, VB>& b) {
   if constexpr (VB == 16) {
     return ((a.v.x ^ b.v.x) | (a.v.y ^ b.v.y) | (a.v.z ^ b.v.z) | (a.v.w ^ b.v.w)) != 0u;
+  } else if constexpr (VB == 8 && Pack<T, VB>::E > 1) {
+    return ((a.v.x ^ b.v.x) | (a.v.y ^ b.v.y)) != 0u;
   } else {
     return a.v != b.v;
   }
@@ -237,6 +256,13 @@ struct DeltaArgs {
   int64_t* __restrict__ result;
 };
 
+// One vector of `p` (a partial first or last vector stays inside its aligned VB bytes).
+template <class T, int VB>
+__device__ __forceinline__ typename Pack<T, VB>::V load_vec(const T* __restrict__ p, bool stream) {
+  using V = typename Pack<T, VB>::V;
+  return stream ? __ldcs(reinterpret_cast<const V*>(p)) : *reinterpret_cast<const V*>(p);
+}
+
 // Issue the loads of one tile (out-of-range vectors read as equal zeros).
 template <class T, int VB>
 __device__ __forceinline__ void load_tile(const T* __restrict__ cur, const T* __restrict__ base, int64_t j0,
@@ -246,10 +272,9 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ cur, const T* __
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int64_t j = j0 + (int64_t(v) * kBlock + threadIdx.x) * E;
-    if (j < hi) {  // a partial first or last vector stays inside its aligned 16 bytes
-      c[v].v = __ldcs(reinterpret_cast<const typename P::V*>(cur + j));
-      if (DCR_STREAM_BASE) b[v].v = __ldcs(reinterpret_cast<const typename P::V*>(base + j));
-      else b[v].v = *reinterpret_cast<const typename P::V*>(base + j);
+    if (j < hi) {
+      c[v].v = load_vec<T, VB>(cur + j, !DCR_REREAD);  // (rereads want it kept in L2)
+      b[v].v = load_vec<T, VB>(base + j, DCR_STREAM_BASE);
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) c[v].e[e] = b[v].e[e] = T(0);
@@ -257,32 +282,19 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ cur, const T* __
   }
 }
 
-// Everything after the loads: masks, block scan, look-back, outputs, baseline update. Starts
-// and ends at a barrier, so a persistent block can reuse the shared variables for its next tile.
-template <class T, class I, int VB>
-__device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t tile, const Pack<T, VB> (&c)[kVecs],
-                                            const Pack<T, VB> (&b)[kVecs]) {
-  using P = Pack<T, VB>;
-  constexpr int E = P::E;
+// This thread's per-element change masks of its vectors in the tile at j0 (elements outside
+// [lo, hi) never count), and their counts packed in 16-bit lanes (<= 16 * kBlock per lane).
+template <class T, int VB>
+__device__ __forceinline__ unsigned long long tile_masks(int64_t j0, int64_t lo, int64_t hi,
+                                                         const Pack<T, VB> (&c)[kVecs], const Pack<T, VB> (&b)[kVecs],
+                                                         unsigned (&m)[kVecs]) {
+  constexpr int E = Pack<T, VB>::E;
   constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
-  int* overflow = reinterpret_cast<int*>(a.ws + 1);
-  unsigned long long* status = a.ws + 2;
-  __shared__ int64_t s_excl;
-  __shared__ int s_skip;
-  __shared__ unsigned long long s_warp[kWarps], s_total;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int64_t lo = a.lo, hi = a.hi;
-
-  // Read before this tile's status is published, so a tile that a later one's look-back
-  // passes has always read it before the overflow was raised.
-  if (t == 0) s_skip = *reinterpret_cast<volatile int*>(overflow);
-  const int64_t j0 = tile * kTile;
   const bool inner = j0 >= lo && j0 + kTile <= hi;
-  unsigned m[kVecs];
   unsigned long long packed = 0;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+    const int64_t j = j0 + (int64_t(v) * kBlock + threadIdx.x) * E;
     unsigned mv = 0;
     if (!DCR_FAST_MASK || differs(c[v], b[v])) {  // most vectors of a sparse delta are equal
 #pragma unroll
@@ -292,11 +304,18 @@ __device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t ti
       }
     }
     m[v] = mv;
-    packed += static_cast<unsigned long long>(__popc(mv)) << (16 * v);  // <= 16 * kBlock per lane
+    packed += static_cast<unsigned long long>(__popc(mv)) << (16 * v);
   }
+  return packed;
+}
 
-  // Block-wide exclusive scan of the packed counts.
-  unsigned long long x = packed;
+// Block-wide exclusive scan of x (summed as u64: packed lanes add lane by lane): this thread's
+// exclusive prefix, and the block's total in `total`. Reads of its shared words end before the
+// caller's next barrier.
+__device__ __forceinline__ unsigned long long block_scan(unsigned long long x, unsigned long long& total) {
+  __shared__ unsigned long long s_warp[kWarps], s_total;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const unsigned long long mine = x;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const unsigned long long y = __shfl_up_sync(kFull, x, o);
@@ -316,12 +335,88 @@ __device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t ti
     if (lane == kWarps - 1) s_total = wi;
   }
   __syncthreads();
-  const bool skip = s_skip;
-  const unsigned long long excl_t = x - packed + s_warp[warp];
-  const unsigned long long total = s_total;
-  int64_t count = 0;
+  total = s_total;
+  return x - mine + s_warp[warp];
+}
+
+__device__ __forceinline__ int64_t lane_sum(unsigned long long packed) {
+  int64_t n = 0;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) count += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
+  for (int v = 0; v < kVecs; ++v) n += static_cast<int64_t>((packed >> (16 * v)) & 0xffff);
+  return n;
+}
+
+// Thread t's outputs of the tile at j0, from output index `excl` (the tile's) on: positions,
+// XORs, new values, and baseline <- current. With DCR_REREAD the changed vectors are loaded
+// again (from L2: the tile was just read) rather than kept in registers since the loads.
+// (t is passed in: reading threadIdx.x again here cost the shipped kernel a spill.)
+template <class T, class I, int VB>
+__device__ __forceinline__ void write_tile(const DeltaArgs<T, I>& a, int64_t j0, int64_t excl,
+                                           unsigned long long excl_t, unsigned long long total,
+                                           const unsigned (&m)[kVecs], const Pack<T, VB> (&c)[kVecs],
+                                           const Pack<T, VB> (&b)[kVecs], int t) {
+  using P = Pack<T, VB>;
+  constexpr int E = P::E;
+  const int64_t lo = a.lo, hi = a.hi;
+  int64_t r0 = excl;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    int64_t r = r0 + static_cast<int64_t>((excl_t >> (16 * v)) & 0xffff);
+    r0 += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
+    const unsigned mv = m[v];
+    if (!mv) continue;
+    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
+#if DCR_REREAD  // __ldcg: from L2, and never merged with the first loads by the compiler
+    P cv, bv;
+    cv.v = __ldcg(reinterpret_cast<const typename P::V*>(a.cur + j));
+    bv.v = __ldcg(reinterpret_cast<const typename P::V*>(a.base + j));
+#else
+    const P& cv = c[v];  // (references: copies of the unions cost ptxas registers, docs/CUDA.md)
+    const P& bv = b[v];
+#endif
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((mv >> e) & 1u) {
+        a.pos[r] = static_cast<I>(j + e - lo);
+        a.val[r] = static_cast<T>(cv.e[e] ^ bv.e[e]);
+        if (a.newv) a.newv[r] = cv.e[e];
+        ++r;
+      }
+    }
+    if (j >= lo && j + E <= hi) {  // baseline <- current: the whole vector (unchanged lanes are equal)
+      if (DCR_STREAM_BASE) __stcs(reinterpret_cast<typename P::V*>(a.base + j), cv.v);
+      else *reinterpret_cast<typename P::V*>(a.base + j) = cv.v;
+    } else {  // a partial vector: only its own elements
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if ((mv >> e) & 1u) a.base[j + e] = cv.e[e];
+    }
+  }
+}
+
+// Everything after the loads: masks, block scan, look-back, outputs, baseline update. Starts
+// and ends at a barrier, so a persistent block can reuse the shared variables for its next tile.
+template <class T, class I, int VB>
+__device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t tile, const Pack<T, VB> (&c)[kVecs],
+                                            const Pack<T, VB> (&b)[kVecs]) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  int* overflow = reinterpret_cast<int*>(a.ws + 1);
+  unsigned long long* status = a.ws + 2;
+  __shared__ int64_t s_excl;
+  __shared__ int s_skip;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t lo = a.lo;
+
+  // Read before this tile's status is published, so a tile that a later one's look-back
+  // passes has always read it before the overflow was raised (block_scan's barrier shares it).
+  if (t == 0) s_skip = *reinterpret_cast<volatile int*>(overflow);
+  const int64_t j0 = tile * kTile;
+  unsigned m[kVecs];
+  const unsigned long long packed = tile_masks<T, VB>(j0, lo, a.hi, c, b, m);
+  unsigned long long total;
+  const unsigned long long excl_t = block_scan(packed, total);
+  const bool skip = s_skip;
+  const int64_t count = lane_sum(total);
 
   // The tile's output offset: publish the aggregate, look back, publish the inclusive prefix.
   // An earlier tile overflowed cap (skip): this one would too; it only unblocks later ones.
@@ -353,35 +448,9 @@ __device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t ti
   }
   if (t == 0 && tile == a.ntiles - 1) {
     a.result[0] = excl + count;
-    a.result[1] = hi - lo;
+    a.result[1] = a.hi - lo;
   }
-
-  int64_t r0 = excl;
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    int64_t r = r0 + static_cast<int64_t>((excl_t >> (16 * v)) & 0xffff);
-    r0 += static_cast<int64_t>((total >> (16 * v)) & 0xffff);
-    const unsigned mv = m[v];
-    if (!mv) continue;
-    const int64_t j = j0 + (int64_t(v) * kBlock + t) * E;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      if ((mv >> e) & 1u) {
-        a.pos[r] = static_cast<I>(j + e - lo);
-        a.val[r] = static_cast<T>(c[v].e[e] ^ b[v].e[e]);
-        if (a.newv) a.newv[r] = c[v].e[e];
-        ++r;
-      }
-    }
-    if (j >= lo && j + E <= hi) {  // baseline <- current: the whole vector (unchanged lanes are equal)
-      if (DCR_STREAM_BASE) __stcs(reinterpret_cast<typename P::V*>(a.base + j), c[v].v);
-      else *reinterpret_cast<typename P::V*>(a.base + j) = c[v].v;
-    } else {  // a partial vector: only its own elements
-#pragma unroll
-      for (int e = 0; e < E; ++e)
-        if ((mv >> e) & 1u) a.base[j + e] = c[v].e[e];
-    }
-  }
+  write_tile<T, I, VB>(a, j0, excl, excl_t, total, m, c, b, t);
 }
 
 // One tile per block.
@@ -431,6 +500,73 @@ __global__ void DCR_PERSIST_BOUNDS delta_kernel_persist(DeltaArgs<T, I> a) {
   }
 }
 
+#if DCR_TWO_PHASE
+// Two-phase pass, phase 1: each tile's change count into its status word (no outputs).
+template <class T, class I, int VB>
+__global__ void DCR_DELTA_BOUNDS count_kernel(DeltaArgs<T, I> a) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  const int64_t j0 = int64_t(blockIdx.x) * kTile;
+  Pack<T, VB> c[kVecs], b[kVecs];
+  load_tile<T, VB>(a.cur, a.base, j0, a.hi, c, b);
+  unsigned m[kVecs];
+  unsigned long long total;
+  block_scan(tile_masks<T, VB>(j0, a.lo, a.hi, c, b, m), total);
+  if (threadIdx.x == 0) a.ws[2 + blockIdx.x] = static_cast<unsigned long long>(lane_sum(total));
+}
+
+// Phase 2, one block: the counts become exclusive prefixes (a contiguous run of tiles per
+// thread, one block scan of the runs' sums); the first tile that does not fit under cap is the
+// stop (ws[0]) and reports as the one-pass kernel's first overflowing tile does.
+template <class T, class I, int VB>
+__global__ void DCR_DELTA_BOUNDS prefix_kernel(DeltaArgs<T, I> a) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  __shared__ int s_found;
+  unsigned long long* counts = a.ws + 2;
+  const int64_t per = (a.ntiles + kBlock - 1) / kBlock;
+  const int64_t i0 = threadIdx.x * per < a.ntiles ? threadIdx.x * per : a.ntiles;
+  const int64_t i1 = i0 + per < a.ntiles ? i0 + per : a.ntiles;
+  if (threadIdx.x == 0) s_found = 0;
+  unsigned long long sum = 0;
+  for (int64_t i = i0; i < i1; ++i) sum += counts[i];
+  unsigned long long total;
+  unsigned long long excl = block_scan(sum, total);  // (its barriers also order s_found)
+  const unsigned long long cap = static_cast<unsigned long long>(a.cap);
+  for (int64_t i = i0; i < i1; ++i) {
+    const unsigned long long c = counts[i];
+    counts[i] = excl;
+    if (excl <= cap && excl + c > cap) {  // prefixes only grow: exactly one tile crosses cap
+      const int64_t j0 = i * kTile;
+      a.result[0] = static_cast<int64_t>(excl);
+      a.result[1] = j0 > a.lo ? j0 - a.lo : 0;
+      a.ws[0] = static_cast<unsigned long long>(i);
+      s_found = 1;
+    }
+    excl += c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && !s_found) {
+    a.result[0] = static_cast<int64_t>(total);
+    a.result[1] = a.hi - a.lo;
+    a.ws[0] = static_cast<unsigned long long>(a.ntiles);
+  }
+}
+
+// Phase 3: each tile below the stop reads its input again and writes at its prefix.
+template <class T, class I, int VB>
+__global__ void DCR_DELTA_BOUNDS write_kernel(DeltaArgs<T, I> a) {
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  const int64_t tile = blockIdx.x;
+  if (static_cast<unsigned long long>(tile) >= a.ws[0]) return;  // (uniform in the block)
+  const int64_t j0 = tile * kTile;
+  Pack<T, VB> c[kVecs], b[kVecs];
+  load_tile<T, VB>(a.cur, a.base, j0, a.hi, c, b);
+  unsigned m[kVecs];
+  unsigned long long total;
+  const unsigned long long excl_t = block_scan(tile_masks<T, VB>(j0, a.lo, a.hi, c, b, m), total);
+  write_tile<T, I, VB>(a, j0, static_cast<int64_t>(a.ws[2 + tile]), excl_t, total, m, c, b, threadIdx.x);
+}
+#endif
+
 __global__ void write_result(int64_t* result, int64_t a, int64_t b) {
   result[0] = a;
   result[1] = b;
@@ -464,7 +600,11 @@ int launch_delta(const void* cur, void* base, int64_t n, int64_t shift, void* po
   const DeltaArgs<T, I> a{static_cast<const T*>(cur) - shift, static_cast<T*>(base) - shift, shift, n + shift,
                           static_cast<I*>(pos), static_cast<T*>(val), static_cast<T*>(newv), cap,
                           static_cast<unsigned long long*>(ws), ntiles, result};
-#if DCR_PERSIST
+#if DCR_TWO_PHASE
+  int rc = launch(count_kernel<T, I, VB>, ntiles, kBlock, stream, a);
+  if (!rc) rc = launch(prefix_kernel<T, I, VB>, 1, kBlock, stream, a);
+  return rc ? rc : launch(write_kernel<T, I, VB>, ntiles, kBlock, stream, a);
+#elif DCR_PERSIST
   const int64_t resident = resident_blocks(delta_kernel_persist<T, I, VB>);
   if (resident <= 0) return cuda_status(cudaErrorUnknown);
   return launch(delta_kernel_persist<T, I, VB>, ntiles < resident ? ntiles : resident, kBlock, stream, a);
@@ -477,9 +617,10 @@ template <class T, class I>
 int delta_width(const void* cur, void* base, int64_t n, void* pos, void* val, void* newv, int64_t cap, void* ws,
                 int64_t ws_bytes, int64_t* result, int flags, cudaStream_t stream) {
   const auto pc = reinterpret_cast<uintptr_t>(cur), pb = reinterpret_cast<uintptr_t>(base);
-  if (pc % 16 == pb % 16 && !(flags & 1)) {
-    const int64_t shift = static_cast<int64_t>(pc % 16) / static_cast<int64_t>(sizeof(T));
-    return launch_delta<T, I, 16>(cur, base, n, shift, pos, val, newv, cap, ws, ws_bytes, result, stream);
+  constexpr int VB = kVecBytes > int(sizeof(T)) ? kVecBytes : int(sizeof(T));
+  if (pc % VB == pb % VB && !(flags & 1)) {
+    const int64_t shift = static_cast<int64_t>(pc % VB) / static_cast<int64_t>(sizeof(T));
+    return launch_delta<T, I, VB>(cur, base, n, shift, pos, val, newv, cap, ws, ws_bytes, result, stream);
   }
   return launch_delta<T, I, sizeof(T)>(cur, base, n, 0, pos, val, newv, cap, ws, ws_bytes, result, stream);
 }
@@ -572,7 +713,7 @@ int64_t dcr_cuda_delta_workspace(int64_t n) {
 // The smallest output capacity that always makes progress (one tile of the vector path).
 int64_t dcr_cuda_delta_min_cap(int width) {
   if (width != 1 && width != 2 && width != 4 && width != 8) return kErrWidth;
-  return int64_t(kBlock) * kVecs * (16 / width);
+  return int64_t(kBlock) * kVecs * ((kVecBytes > width ? kVecBytes : width) / width);
 }
 
 // Workspace bytes dcr_cuda_scatter needs.

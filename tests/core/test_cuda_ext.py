@@ -10,7 +10,6 @@ kernels against the reference (scripts/device_check.sh runs them and more).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,21 +22,13 @@ import torch
 from nemo_dcr_callback.core import bitops, cuda_kernels, delta, kernels
 from nemo_dcr_callback.core.rawbits import bits
 from tests.helpers import REPO
+from tests.helpers.cuda_emu import build, emu_delta, load_build_module
 from tests.helpers.tensors import FLOAT_DTYPES, perturb, random_tensor
 
 GPU = torch.cuda.is_available()
 DTYPES = FLOAT_DTYPES + [torch.int8, torch.float64]
 
 
-def _build_module():
-    """cuda_ext/build.py, the one place the compile lines live (setup.py loads it the same way)."""
-    spec = importlib.util.spec_from_file_location("cuda_ext_build_under_test", REPO / "cuda_ext" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-build = _build_module()
 
 
 # ------------------------------------------------------------------ nvcc compile check
@@ -136,29 +127,6 @@ def emu(tmp_path_factory):
     return cuda_kernels.load(out)
 
 
-def _emu_delta(lib, old, new, keep_new=True, *, offset=0, base_offset=None, **kw):
-    """take_with on host tensors placed at the given element offsets; checked against the reference."""
-    n = old.numel()
-    base_offset = offset if base_offset is None else base_offset
-    cur = torch.empty(n + offset, dtype=new.dtype)[offset:]
-    cur.copy_(new.reshape(-1))
-    base = torch.empty(n + base_offset, dtype=old.dtype)[base_offset:]
-    base.copy_(old.reshape(-1))
-    ref_base = old.reshape(-1).clone()
-    ref = delta.take_delta_reference(new.reshape(-1), ref_base, keep_new=keep_new)
-    got = cuda_kernels.take_with(lib, cur, base, keep_new, "device", **kw)
-    if kw.get("pos64"):
-        assert got.positions.dtype == torch.int64
-        assert torch.equal(got.positions, ref.positions.to(torch.int64))
-    else:
-        assert got.positions.dtype == ref.positions.dtype and torch.equal(got.positions, ref.positions)
-    assert torch.equal(got.xor, ref.xor)
-    assert (got.new is None) if not keep_new else torch.equal(got.new, ref.new)
-    assert torch.equal(bits(base), bits(ref_base)), "baseline after the pass"
-    assert torch.equal(bits(cur), bits(new.reshape(-1))), "current must stay untouched"
-    return got, base
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [0, 1, 7, 31, 2049, 8193, 20011])
 @pytest.mark.parametrize("rate", [0.0, 0.01, 0.3, 1.0])
@@ -166,9 +134,9 @@ def test_emulated_delta_equals_reference(emu, dtype, n, rate):
     g = torch.Generator().manual_seed(n * 7 + int(rate * 100))
     old = random_tensor((n,), dtype, g)
     new = perturb(old, rate, g, specials=True)
-    _emu_delta(emu, old, new)  # 16-byte vectors from an aligned start
-    _emu_delta(emu, old, new, keep_new=False, offset=3)  # same phase, partial first and last vectors
-    _emu_delta(emu, old, new, offset=1, base_offset=0)  # phases differ: the scalar path
+    emu_delta(emu, old, new)  # 16-byte vectors from an aligned start
+    emu_delta(emu, old, new, keep_new=False, offset=3)  # same phase, partial first and last vectors
+    emu_delta(emu, old, new, offset=1, base_offset=0)  # phases differ: the scalar path
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,10 +146,10 @@ def test_emulated_delta_resumes_when_capacity_runs_out(emu, dtype):
     g = torch.Generator().manual_seed(11)
     old = random_tensor((70001,), dtype, g)
     new = perturb(old, 1.0, g)
-    _emu_delta(emu, old, new, offset=5, cap=1)
+    emu_delta(emu, old, new, offset=5, cap=1)
     new = perturb(old, 0.4, g)
-    _emu_delta(emu, old, new, cap=9000, pos64=True)
-    _emu_delta(emu, old, new, cap=1, scalar=True)
+    emu_delta(emu, old, new, cap=9000, pos64=True)
+    emu_delta(emu, old, new, cap=1, scalar=True)
 
 
 def test_emulated_realistic_bf16_and_undo(emu):
@@ -191,7 +159,7 @@ def test_emulated_realistic_bf16_and_undo(emu):
     new = (master + 1e-6 * torch.randn(50_000, generator=g)).to(torch.bfloat16)  # about 3% change
     rate = (bits(old) != bits(new)).float().mean().item()
     assert 0.01 < rate < 0.06
-    d, base = _emu_delta(emu, old, new, offset=2)
+    d, base = emu_delta(emu, old, new, offset=2)
     cuda_kernels.scatter_with(emu, base, d.positions, d.xor, bitops.OP_XOR)  # the undo log
     assert torch.equal(bits(base), bits(old))
 
@@ -315,7 +283,7 @@ def test_build_kernels_cuda_without_nvcc(monkeypatch, capsys, tmp_path):
     p = argparse.ArgumentParser()
     doctor.add_build_arguments(p)
     assert p.parse_args(["--cuda"]).cuda and not p.parse_args([]).cuda
-    mod = _build_module()
+    mod = load_build_module()
     monkeypatch.setattr(mod, "find_nvcc", lambda: None)
     monkeypatch.setattr(mod, "build_cpu", lambda out_dir, **kw: {"library": "libdcr_cpu.so"})
     monkeypatch.setattr(doctor, "_build_module", lambda path: mod)

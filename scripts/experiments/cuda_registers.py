@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""What ptxas makes of each delta-pass variant, without a GPU (issue 51): registers per thread
+and spill bytes of the BF16 fast-path kernels for sm_90 (H100/H200), and from them the resident
+threads per SM and the input bytes a full SM has loaded into registers at once (the figure
+docs/CUDA.md's "Why, as far as measured" names as the likely limit). Static facts only: which
+variant is fastest still needs `scripts/cuda_tune.sh` on a device.
+  .venv/bin/python scripts/experiments/cuda_registers.py --json benchmarks/results/cuda_registers.json
+  .venv/bin/python scripts/experiments/cuda_registers.py --variant= --variant=-DDCR_REREAD=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "cuda_ext"))
+import build  # noqa: E402  (cuda_ext/build.py: the library's own compile line)
+
+# sm_90's register file and limits (CUDA occupancy calculator): 64K 32-bit registers per SM,
+# allocated per warp in units of 256, at most 64 warps and 32 blocks per SM.
+REGS_PER_SM, ALLOC_UNIT, MAX_WARPS, MAX_BLOCKS = 65536, 256, 64, 32
+KERNELS = ("delta_kernel_persist", "delta_kernel", "count_kernel", "prefix_kernel", "write_kernel")
+
+
+def tune_variants() -> list[str]:
+    text = (REPO / "scripts" / "cuda_tune.sh").read_text()
+    block = text[text.index("DEFAULT_VARIANTS=("):]
+    return re.findall(r'"([^"]*)"', block[:block.index(")\n")])
+
+
+def knob(defines: str, name: str, default: int) -> int:
+    m = re.search(rf"-D{name}=(\d+)", defines)
+    return int(m.group(1)) if m else default
+
+
+def resident_threads(regs: int, block: int) -> int:
+    per_warp = -(-regs * 32 // ALLOC_UNIT) * ALLOC_UNIT
+    warps = min(REGS_PER_SM // per_warp, MAX_WARPS)
+    return min(warps // (block // 32), MAX_BLOCKS) * block
+
+
+def ptxas(nvcc: str, defines: str) -> dict[str, dict]:
+    """{kernel: {registers, spill_stores}} of the BF16 (unsigned short), int32-position, widest
+    vector instance of each delta kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [c for c in build.nvcc_command(nvcc, build.CUDA_SOURCE, Path(tmp) / "x.so", defines.split())
+               if not c.startswith("arch=")]
+        cmd = [c for c in cmd if c != "-gencode"] + ["-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"nvcc failed for [{defines}]:\n{out.stderr[-2000:]}")
+    found: dict[str, dict] = {}
+    name, spill = None, 0
+    for line in out.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)'", line):
+            name = m.group(1)
+        elif m := re.search(r"(\d+) bytes spill stores", line):
+            spill = int(m.group(1))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            k = re.search(r"\d+(" + "|".join(KERNELS) + r")ItiLi(\d+)E", name)
+            if k and int(k.group(2)) > 2:  # the vector path, not the scalar one (VB = 2)
+                found[k.group(1)] = {"registers": int(m.group(1)), "spill_stores": spill}
+            name = None
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", action="append", dest="variants",
+                    help="a -DDCR_* set, written --variant=-DDCR_... (empty: the defaults); repeatable. "
+                         "Default: cuda_tune.sh's default list")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("cuda_registers: no nvcc on PATH", file=sys.stderr)
+        return 2
+    variants = args.variants or tune_variants()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    rows = []
+    print(f"{'variant':52} {'kernel':22} {'regs':>5} {'spill B':>8} {'threads/SM':>11} {'KB of tiles/SM':>14}")
+    for v in variants:
+        block, vecs, vb = knob(v, "DCR_BLOCK", 512), knob(v, "DCR_VECS", 4), knob(v, "DCR_VEC_BYTES", 16)
+        for kernel, r in ptxas(nvcc, v).items():
+            threads = resident_threads(r["registers"], block)
+            loaded = threads * vecs * vb * 2 if kernel != "prefix_kernel" else 0  # cur and base of the resident tiles
+            rows.append({"defines": v, "kernel": kernel, **r, "block": block, "resident_threads": threads,
+                         "tile_bytes_per_sm": loaded})
+            print(f"{v or '(defaults)':52} {kernel:22} {r['registers']:>5} {r['spill_stores']:>8} {threads:>11} "
+                  f"{loaded / 1024:>14.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"what": "ptxas -v, BF16 fast path, sm_90", "nvcc": version,
+                                               "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
