@@ -110,7 +110,9 @@ if [ $dry = 0 ]; then
 fi
 if [ $tune = 1 ] && [ $dry = 0 ]; then
   echo "== tuning variants: scripts/cuda_tune.sh"
-  SIZES_MIB=1024 bash scripts/cuda_tune.sh || { s=$?; [ $rc = 0 ] && rc=$s; }
+  tune_args=""
+  [ $e2e = 1 ] && tune_args="--rates 0.01,0.03 --reps 5"  # (the e2e run's share of the budget)
+  SIZES_MIB=1024 CUDA_TUNE_BENCH_ARGS="$tune_args" bash scripts/cuda_tune.sh || { s=$?; [ $rc = 0 ] && rc=$s; }
 fi
 echo "== device_check: exit $rc after $(( $(date +%s) - start )) s"
 exit $rc

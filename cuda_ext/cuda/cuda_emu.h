@@ -44,6 +44,7 @@ inline dcr_emu_dim3 threadIdx, blockIdx, gridDim, blockDim;
 using cudaStream_t = void*;
 enum cudaError_t { cudaSuccess = 0, cudaErrorUnknown = 999 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaMemoryType { cudaMemoryTypeUnregistered = 0, cudaMemoryTypeHost = 1, cudaMemoryTypeDevice = 2 };
 struct cudaPointerAttributes {
   cudaMemoryType type;
@@ -64,6 +65,10 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
 template <class K>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) {
   *n = 2;
+  return cudaSuccess;
+}
+template <class K>
+cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) {
   return cudaSuccess;
 }
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated CUDA error"; }
@@ -93,6 +98,7 @@ struct Fiber {
 inline ucontext_t scheduler;
 inline Fiber* current = nullptr;
 inline std::function<void()> body;
+inline unsigned char* dynamic_smem = nullptr;  // a block's dynamic shared memory (extern __shared__)
 
 inline void yield() { swapcontext(&current->ctx, &scheduler); }
 
@@ -150,8 +156,10 @@ inline void trampoline() {
 }
 
 template <class... KArgs>
-void launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, KArgs... args) {
+void launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, size_t smem, KArgs... args) {
   std::vector<Fiber> fibers(block);
+  std::vector<uint4> smem_buf((smem + sizeof(uint4) - 1) / sizeof(uint4));
+  dynamic_smem = reinterpret_cast<unsigned char*>(smem_buf.data());
   block_bar = Barrier{block};
   warps.assign((block + 31) / 32, Warp{});
   for (unsigned w = 0; w < warps.size(); ++w) warps[w].bar.expected = std::min(32u, block - 32 * w);
@@ -186,6 +194,10 @@ void launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, KArgs... ar
 }  // namespace dcr_emu
 
 inline void __syncthreads() { dcr_emu::block_bar.wait(); }
+// cp.async: the copy happens at once, so commits and waits have nothing to do.
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+inline void __pipeline_commit() {}
+inline void __pipeline_wait_prior(size_t) {}
 inline void __threadfence() {}
 inline void __nanosleep(unsigned) { dcr_emu::yield(); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

@@ -14,6 +14,7 @@
 // not strictly increasing (or negative), -2 a position >= n, as dcr_scatter returns them.
 
 #ifndef DCR_EMULATE
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 #endif
 // With -DDCR_EMULATE -include cuda_emu.h the same kernels build with g++ and run on CPU
@@ -35,7 +36,9 @@ namespace {
 // more, for issue 51's study: the width of a vector load in bytes (4, 8 or 16), changed vectors
 // loaded again from L2 for the writes (DCR_REREAD 1: the tile's data need not stay in registers
 // through the scan and look-back), and a two-phase pass (DCR_TWO_PHASE 1: a count kernel, a
-// one-block prefix over the tiles' counts, and a write kernel that reads the input again).
+// one-block prefix over the tiles' counts, and a write kernel that reads the input again). And
+// DCR_STAGES S >= 2: resident blocks that copy tiles into shared memory with cp.async, S tiles
+// ahead, so loads stay in flight while earlier tiles scan, look back and write.
 #ifndef DCR_BLOCK
 #define DCR_BLOCK 512
 #endif
@@ -75,6 +78,9 @@ namespace {
 #ifndef DCR_TWO_PHASE
 #define DCR_TWO_PHASE 0
 #endif
+#ifndef DCR_STAGES
+#define DCR_STAGES 0
+#endif
 
 #if DCR_MIN_BLOCKS > 0
 #define DCR_DELTA_BOUNDS __launch_bounds__(DCR_BLOCK, DCR_MIN_BLOCKS)
@@ -92,6 +98,9 @@ static_assert(kVecs >= 1 && kVecs <= 4, "DCR_VECS: counts are packed in four 16-
 constexpr int kVecBytes = DCR_VEC_BYTES;  // the fast path's load width
 static_assert(kVecBytes == 4 || kVecBytes == 8 || kVecBytes == 16, "DCR_VEC_BYTES: 4, 8 or 16");
 static_assert(!(DCR_TWO_PHASE && DCR_PERSIST), "DCR_TWO_PHASE and DCR_PERSIST exclude each other");
+constexpr int kStages = DCR_STAGES;
+static_assert(kStages == 0 || (kStages >= 2 && kStages <= 8 && !DCR_TWO_PHASE && !DCR_PERSIST),
+              "DCR_STAGES: 0, or 2-8 without DCR_TWO_PHASE or DCR_PERSIST");
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned long long kFlagA = 1ull << 62;  // tile status: aggregate of the tile alone
 constexpr unsigned long long kFlagP = 2ull << 62;  // tile status: inclusive prefix
@@ -104,17 +113,23 @@ constexpr int kErrWidth = -9, kErrSpace = -8, kErrAlign = -7, kErrPointer = -6, 
 
 int cuda_status(cudaError_t e) { return e == cudaSuccess ? 0 : kErrCuda - static_cast<int>(e); }
 
-// Every launch goes through here (the emulation runs kernels on CPU threads instead).
+// Every launch goes through here (the emulation runs kernels on CPU threads instead); smem:
+// bytes of dynamic shared memory.
 template <class... KArgs, class... Args>
-int launch(void (*kernel)(KArgs...), int64_t grid, int block, cudaStream_t stream, Args... args) {
+int launch_smem(void (*kernel)(KArgs...), int64_t grid, int block, size_t smem, cudaStream_t stream, Args... args) {
 #ifdef DCR_EMULATE
   (void)stream;
-  dcr_emu::launch(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(block), static_cast<KArgs>(args)...);
+  dcr_emu::launch(kernel, static_cast<unsigned>(grid), static_cast<unsigned>(block), smem, static_cast<KArgs>(args)...);
   return 0;
 #else
-  kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(static_cast<KArgs>(args)...);
+  kernel<<<static_cast<unsigned>(grid), block, smem, stream>>>(static_cast<KArgs>(args)...);
   return cuda_status(cudaGetLastError());
 #endif
+}
+
+template <class... KArgs, class... Args>
+int launch(void (*kernel)(KArgs...), int64_t grid, int block, cudaStream_t stream, Args... args) {
+  return launch_smem(kernel, grid, block, 0, stream, args...);
 }
 
 // ---------------------------------------------------------------- element types
@@ -500,6 +515,72 @@ __global__ void DCR_PERSIST_BOUNDS delta_kernel_persist(DeltaArgs<T, I> a) {
   }
 }
 
+#if DCR_STAGES
+constexpr size_t kStageBytes = size_t(2) * kVecs * kBlock * 16;  // cur and base of one tile
+constexpr size_t kStagedSmem = kStageBytes * (kStages > 0 ? kStages : 1);
+
+// Start copying this thread's vectors of `tile` into stage `st` (cp.async, one commit group per
+// call, empty past the last tile so the group count stays one per stage); vectors past hi are
+// zeros, as in load_tile. Each thread copies only the vectors it reads itself, so its own
+// wait_prior is all the synchronization the data needs.
+template <class T>
+__device__ __forceinline__ void stage_tile(uint4* smem, int st, const T* __restrict__ cur, const T* __restrict__ base,
+                                           int64_t tile, int64_t ntiles, int64_t hi) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
+  if (tile < ntiles) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t j = tile * kTile + (int64_t(v) * kBlock + threadIdx.x) * E;
+      uint4* dc = smem + (size_t(st) * 2 * kVecs + v) * kBlock + threadIdx.x;
+      uint4* db = dc + size_t(kVecs) * kBlock;
+      if (j < hi) {
+        __pipeline_memcpy_async(dc, cur + j, 16);
+        __pipeline_memcpy_async(db, base + j, 16);
+      } else {
+        *dc = *db = uint4{0, 0, 0, 0};
+      }
+    }
+  }
+  __pipeline_commit();
+}
+
+// Resident blocks taking tiles from the counter, each tile's cur and base copied into shared
+// memory DCR_STAGES tiles ahead of its scan. Tile ids come from the counter in the order blocks
+// ask, and a block finishes its oldest tile first, so the oldest unfinished tile of all is
+// always being worked on and waits on no one: the look-back cannot deadlock.
+template <class T, class I, int VB>
+__global__ void DCR_PERSIST_BOUNDS delta_kernel_staged(DeltaArgs<T, I> a) {
+  static_assert(VB == 16, "the staged kernel copies 16-byte vectors");
+#ifdef DCR_EMULATE
+  uint4* smem = reinterpret_cast<uint4*>(dcr_emu::dynamic_smem);
+#else
+  extern __shared__ uint4 smem[];
+#endif
+  __shared__ int64_t s_tile[kStages];
+  const int t = threadIdx.x;
+  if (t == 0)
+    for (int st = 0; st < kStages; ++st) s_tile[st] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
+  __syncthreads();
+  for (int st = 0; st < kStages; ++st) stage_tile<T>(smem, st, a.cur, a.base, s_tile[st], a.ntiles, a.hi);
+  for (int st = 0;; st = st + 1 == kStages ? 0 : st + 1) {
+    const int64_t tile = s_tile[st];
+    if (tile >= a.ntiles) break;  // (ids only grow: every later stage is past the end too)
+    __pipeline_wait_prior(kStages - 1);  // this stage's group (one group per stage since)
+    Pack<T, VB> c[kVecs], b[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      c[v].v = smem[(size_t(st) * 2 * kVecs + v) * kBlock + t];
+      b[v].v = smem[(size_t(st) * 2 * kVecs + kVecs + v) * kBlock + t];
+    }
+    __syncthreads();  // every thread has read s_tile[st] before thread 0 replaces it
+    if (t == 0) s_tile[st] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
+    finish_tile<T, I, VB>(a, tile, c, b);  // (its barriers publish the new id)
+    stage_tile<T>(smem, st, a.cur, a.base, s_tile[st], a.ntiles, a.hi);
+  }
+}
+#endif
+
 #if DCR_TWO_PHASE
 // Two-phase pass, phase 1: each tile's change count into its status word (no outputs).
 template <class T, class I, int VB>
@@ -574,12 +655,12 @@ __global__ void write_result(int64_t* result, int64_t a, int64_t b) {
 
 // Resident blocks of a kernel on the current device (cached per kernel: one query each).
 template <class K>
-int64_t resident_blocks(K kernel) {
+int64_t resident_blocks(K kernel, size_t smem = 0) {
   static int64_t cached = 0;
   if (cached) return cached;
   int dev = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, 0) != cudaSuccess) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock, smem) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -604,6 +685,19 @@ int launch_delta(const void* cur, void* base, int64_t n, int64_t shift, void* po
   int rc = launch(count_kernel<T, I, VB>, ntiles, kBlock, stream, a);
   if (!rc) rc = launch(prefix_kernel<T, I, VB>, 1, kBlock, stream, a);
   return rc ? rc : launch(write_kernel<T, I, VB>, ntiles, kBlock, stream, a);
+#elif DCR_STAGES
+  if constexpr (VB == 16) {
+    static const cudaError_t attr = cudaFuncSetAttribute(delta_kernel_staged<T, I, VB>,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                         static_cast<int>(kStagedSmem));
+    if (attr != cudaSuccess) return cuda_status(attr);
+    const int64_t resident = resident_blocks(delta_kernel_staged<T, I, VB>, kStagedSmem);
+    if (resident <= 0) return cuda_status(cudaErrorUnknown);
+    return launch_smem(delta_kernel_staged<T, I, VB>, ntiles < resident ? ntiles : resident, kBlock, kStagedSmem,
+                       stream, a);
+  } else {
+    return launch(delta_kernel<T, I, VB>, ntiles, kBlock, stream, a);  // (the scalar path)
+  }
 #elif DCR_PERSIST
   const int64_t resident = resident_blocks(delta_kernel_persist<T, I, VB>);
   if (resident <= 0) return cuda_status(cudaErrorUnknown);

@@ -4,7 +4,8 @@ and spill bytes of the BF16 fast-path kernels for sm_90 (H100/H200), and from th
 threads per SM and the input bytes a full SM has loaded into registers at once (the figure
 docs/CUDA.md's "Why, as far as measured" names as the likely limit). Static facts only: which
 variant is fastest still needs `scripts/cuda_tune.sh` on a device.
-  .venv/bin/python scripts/experiments/cuda_registers.py --json benchmarks/results/cuda_registers.json
+  .venv/bin/python scripts/experiments/cuda_registers.py --json benchmarks/results/cuda_registers.json \
+      --variant=-DDCR_MIN_BLOCKS=3 --variant=-DDCR_PERSIST=1 --tune-list
   .venv/bin/python scripts/experiments/cuda_registers.py --variant= --variant=-DDCR_REREAD=1
 """
 
@@ -24,9 +25,12 @@ sys.path.insert(0, str(REPO / "cuda_ext"))
 import build  # noqa: E402  (cuda_ext/build.py: the library's own compile line)
 
 # sm_90's register file and limits (CUDA occupancy calculator): 64K 32-bit registers per SM,
-# allocated per warp in units of 256, at most 64 warps and 32 blocks per SM.
+# allocated per warp in units of 256, at most 64 warps and 32 blocks per SM; 228 KB of shared
+# memory per SM, 1 KB of it reserved per block.
 REGS_PER_SM, ALLOC_UNIT, MAX_WARPS, MAX_BLOCKS = 65536, 256, 64, 32
-KERNELS = ("delta_kernel_persist", "delta_kernel", "count_kernel", "prefix_kernel", "write_kernel")
+SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 228 * 1024, 1024
+KERNELS = ("delta_kernel_persist", "delta_kernel_staged", "delta_kernel", "count_kernel", "prefix_kernel",
+           "write_kernel")
 
 
 def tune_variants() -> list[str]:
@@ -40,10 +44,11 @@ def knob(defines: str, name: str, default: int) -> int:
     return int(m.group(1)) if m else default
 
 
-def resident_threads(regs: int, block: int) -> int:
+def resident_blocks(regs: int, block: int, smem: int = 0) -> int:
     per_warp = -(-regs * 32 // ALLOC_UNIT) * ALLOC_UNIT
     warps = min(REGS_PER_SM // per_warp, MAX_WARPS)
-    return min(warps // (block // 32), MAX_BLOCKS) * block
+    blocks = min(warps // (block // 32), MAX_BLOCKS)
+    return min(blocks, SMEM_PER_SM // (smem + SMEM_PER_BLOCK_RESERVED)) if smem else blocks
 
 
 def ptxas(nvcc: str, defines: str) -> dict[str, dict]:
@@ -76,23 +81,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", dest="variants",
                     help="a -DDCR_* set, written --variant=-DDCR_... (empty: the defaults); repeatable. "
                          "Default: cuda_tune.sh's default list")
+    ap.add_argument("--tune-list", action="store_true", help="cuda_tune.sh's default list too, after --variant's")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("cuda_registers: no nvcc on PATH", file=sys.stderr)
         return 2
-    variants = args.variants or tune_variants()
+    variants = (args.variants or []) + (tune_variants() if args.tune_list or not args.variants else [])
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     rows = []
     print(f"{'variant':52} {'kernel':22} {'regs':>5} {'spill B':>8} {'threads/SM':>11} {'KB of tiles/SM':>14}")
     for v in variants:
         block, vecs, vb = knob(v, "DCR_BLOCK", 512), knob(v, "DCR_VECS", 4), knob(v, "DCR_VEC_BYTES", 16)
+        tile = block * vecs * vb * 2  # cur and base of one tile
         for kernel, r in ptxas(nvcc, v).items():
-            threads = resident_threads(r["registers"], block)
-            loaded = threads * vecs * vb * 2 if kernel != "prefix_kernel" else 0  # cur and base of the resident tiles
-            rows.append({"defines": v, "kernel": kernel, **r, "block": block, "resident_threads": threads,
-                         "tile_bytes_per_sm": loaded})
+            stages = knob(v, "DCR_STAGES", 0) if kernel == "delta_kernel_staged" else 1  # tiles a block holds
+            smem = tile * stages if kernel == "delta_kernel_staged" else 0
+            blocks = resident_blocks(r["registers"], block, smem)
+            loaded = blocks * tile * stages if kernel != "prefix_kernel" else 0
+            rows.append({"defines": v, "kernel": kernel, **r, "block": block, "dynamic_smem": smem,
+                         "resident_threads": blocks * block, "tile_bytes_per_sm": loaded})
+            threads = blocks * block
             print(f"{v or '(defaults)':52} {kernel:22} {r['registers']:>5} {r['spill_stores']:>8} {threads:>11} "
                   f"{loaded / 1024:>14.0f}")
     if args.json:

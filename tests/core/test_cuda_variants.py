@@ -54,10 +54,11 @@ def _check_variant(lib):
         emu_delta(lib, old, new, cap=3000, pos64=True)
 
 
-@pytest.mark.parametrize("defines", ["-DDCR_REREAD=1", "-DDCR_TWO_PHASE=1"])
+@pytest.mark.parametrize("defines", ["-DDCR_REREAD=1", "-DDCR_TWO_PHASE=1", "-DDCR_STAGES=3 -DDCR_BLOCK=256"])
 def test_emulated_pass_variants(emu_variant, defines):
-    """The L2 reread and the two-phase pass (off by default, issue 51's candidates) give the
-    reference's output; tests/ with NEMO_DCR_CUDA_DEFINES runs the whole suite on one."""
+    """The L2 reread, the two-phase pass and the cp.async-staged pass (off by default, issue 51's
+    candidates) give the reference's output; tests/ with NEMO_DCR_CUDA_DEFINES runs the whole
+    suite on one."""
     _check_variant(emu_variant(defines))
 
 
