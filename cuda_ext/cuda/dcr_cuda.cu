@@ -158,6 +158,13 @@ struct Pack {
   };
 };
 
+// Elements of one tile: kBlock threads x kVecs vectors of VB bytes.
+template <class T, int VB>
+constexpr int64_t kTileElems = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+
+// The fast path's vector width for elements of `width` bytes (a vector holds at least one).
+constexpr int fast_vec_bytes(int width) { return kVecBytes > width ? kVecBytes : width; }
+
 // Whether any bit of two vectors differs: word compares on the 16- and 8-byte paths.
 template <class T, int VB>
 __device__ __forceinline__ bool differs(const Pack<T, VB>& a, const Pack<T, VB>& b) {
@@ -304,7 +311,7 @@ __device__ __forceinline__ unsigned long long tile_masks(int64_t j0, int64_t lo,
                                                          const Pack<T, VB> (&c)[kVecs], const Pack<T, VB> (&b)[kVecs],
                                                          unsigned (&m)[kVecs]) {
   constexpr int E = Pack<T, VB>::E;
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   const bool inner = j0 >= lo && j0 + kTile <= hi;
   unsigned long long packed = 0;
 #pragma unroll
@@ -414,7 +421,7 @@ __device__ __forceinline__ void write_tile(const DeltaArgs<T, I>& a, int64_t j0,
 template <class T, class I, int VB>
 __device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t tile, const Pack<T, VB> (&c)[kVecs],
                                             const Pack<T, VB> (&b)[kVecs]) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   int* overflow = reinterpret_cast<int*>(a.ws + 1);
   unsigned long long* status = a.ws + 2;
   __shared__ int64_t s_excl;
@@ -471,7 +478,7 @@ __device__ __forceinline__ void finish_tile(const DeltaArgs<T, I>& a, int64_t ti
 // One tile per block.
 template <class T, class I, int VB>
 __global__ void DCR_DELTA_BOUNDS delta_kernel(DeltaArgs<T, I> a) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
 #if DCR_TILE_ORDER == 1
   __shared__ int64_t s_tile;
   if (threadIdx.x == 0) s_tile = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
@@ -489,7 +496,7 @@ __global__ void DCR_DELTA_BOUNDS delta_kernel(DeltaArgs<T, I> a) {
 // previous tile finishes (two register sets, used in turn).
 template <class T, class I, int VB>
 __global__ void DCR_PERSIST_BOUNDS delta_kernel_persist(DeltaArgs<T, I> a) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   __shared__ int64_t s_next[2];
   if (threadIdx.x == 0) s_next[0] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
   __syncthreads();
@@ -519,6 +526,12 @@ __global__ void DCR_PERSIST_BOUNDS delta_kernel_persist(DeltaArgs<T, I> a) {
 constexpr size_t kStageBytes = size_t(2) * kVecs * kBlock * 16;  // cur and base of one tile
 constexpr size_t kStagedSmem = kStageBytes * (kStages > 0 ? kStages : 1);
 
+// Where thread t's vector v of cur (q 0) or base (q 1) sits in stage st, in 16-byte units: the
+// one layout stage_tile writes and delta_kernel_staged reads.
+__device__ __forceinline__ size_t stage_slot(int st, int q, int v, int t) {
+  return ((size_t(st) * 2 + q) * kVecs + v) * kBlock + t;
+}
+
 // Start copying this thread's vectors of `tile` into stage `st` (cp.async, one commit group per
 // call, empty past the last tile so the group count stays one per stage); vectors past hi are
 // zeros, as in load_tile. Each thread copies only the vectors it reads itself, so its own
@@ -526,14 +539,14 @@ constexpr size_t kStagedSmem = kStageBytes * (kStages > 0 ? kStages : 1);
 template <class T>
 __device__ __forceinline__ void stage_tile(uint4* smem, int st, const T* __restrict__ cur, const T* __restrict__ base,
                                            int64_t tile, int64_t ntiles, int64_t hi) {
-  constexpr int E = 16 / static_cast<int>(sizeof(T));
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * E;
+  constexpr int E = Pack<T, 16>::E;
+  constexpr int64_t kTile = kTileElems<T, 16>;
   if (tile < ntiles) {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int64_t j = tile * kTile + (int64_t(v) * kBlock + threadIdx.x) * E;
-      uint4* dc = smem + (size_t(st) * 2 * kVecs + v) * kBlock + threadIdx.x;
-      uint4* db = dc + size_t(kVecs) * kBlock;
+      uint4* dc = smem + stage_slot(st, 0, v, threadIdx.x);
+      uint4* db = smem + stage_slot(st, 1, v, threadIdx.x);
       if (j < hi) {
         __pipeline_memcpy_async(dc, cur + j, 16);
         __pipeline_memcpy_async(db, base + j, 16);
@@ -570,8 +583,8 @@ __global__ void DCR_PERSIST_BOUNDS delta_kernel_staged(DeltaArgs<T, I> a) {
     Pack<T, VB> c[kVecs], b[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      c[v].v = smem[(size_t(st) * 2 * kVecs + v) * kBlock + t];
-      b[v].v = smem[(size_t(st) * 2 * kVecs + kVecs + v) * kBlock + t];
+      c[v].v = smem[stage_slot(st, 0, v, t)];
+      b[v].v = smem[stage_slot(st, 1, v, t)];
     }
     __syncthreads();  // every thread has read s_tile[st] before thread 0 replaces it
     if (t == 0) s_tile[st] = static_cast<int64_t>(atomicAdd(a.ws, 1ull));
@@ -585,7 +598,7 @@ __global__ void DCR_PERSIST_BOUNDS delta_kernel_staged(DeltaArgs<T, I> a) {
 // Two-phase pass, phase 1: each tile's change count into its status word (no outputs).
 template <class T, class I, int VB>
 __global__ void DCR_DELTA_BOUNDS count_kernel(DeltaArgs<T, I> a) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   const int64_t j0 = int64_t(blockIdx.x) * kTile;
   Pack<T, VB> c[kVecs], b[kVecs];
   load_tile<T, VB>(a.cur, a.base, j0, a.hi, c, b);
@@ -600,7 +613,7 @@ __global__ void DCR_DELTA_BOUNDS count_kernel(DeltaArgs<T, I> a) {
 // stop (ws[0]) and reports as the one-pass kernel's first overflowing tile does.
 template <class T, class I, int VB>
 __global__ void DCR_DELTA_BOUNDS prefix_kernel(DeltaArgs<T, I> a) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   __shared__ int s_found;
   unsigned long long* counts = a.ws + 2;
   const int64_t per = (a.ntiles + kBlock - 1) / kBlock;
@@ -635,7 +648,7 @@ __global__ void DCR_DELTA_BOUNDS prefix_kernel(DeltaArgs<T, I> a) {
 // Phase 3: each tile below the stop reads its input again and writes at its prefix.
 template <class T, class I, int VB>
 __global__ void DCR_DELTA_BOUNDS write_kernel(DeltaArgs<T, I> a) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * Pack<T, VB>::E;
+  constexpr int64_t kTile = kTileElems<T, VB>;
   const int64_t tile = blockIdx.x;
   if (static_cast<unsigned long long>(tile) >= a.ws[0]) return;  // (uniform in the block)
   const int64_t j0 = tile * kTile;
@@ -671,7 +684,7 @@ int64_t resident_blocks(K kernel, size_t smem = 0) {
 template <class T, class I, int VB>
 int launch_delta(const void* cur, void* base, int64_t n, int64_t shift, void* pos, void* val, void* newv,
                  int64_t cap, void* ws, int64_t ws_bytes, int64_t* result, cudaStream_t stream) {
-  constexpr int64_t kTile = int64_t(kBlock) * kVecs * (VB / static_cast<int>(sizeof(T)));
+  constexpr int64_t kTile = kTileElems<T, VB>;
   if (n == 0) return launch(write_result, 1, 1, stream, result, int64_t(0), int64_t(0));
   const int64_t ntiles = (n + shift + kTile - 1) / kTile;
   if (cap < (n < kTile ? n : kTile) || ntiles > 0x7fffffff) return kErrSpace;
@@ -711,7 +724,7 @@ template <class T, class I>
 int delta_width(const void* cur, void* base, int64_t n, void* pos, void* val, void* newv, int64_t cap, void* ws,
                 int64_t ws_bytes, int64_t* result, int flags, cudaStream_t stream) {
   const auto pc = reinterpret_cast<uintptr_t>(cur), pb = reinterpret_cast<uintptr_t>(base);
-  constexpr int VB = kVecBytes > int(sizeof(T)) ? kVecBytes : int(sizeof(T));
+  constexpr int VB = fast_vec_bytes(int(sizeof(T)));
   if (pc % VB == pb % VB && !(flags & 1)) {
     const int64_t shift = static_cast<int64_t>(pc % VB) / static_cast<int64_t>(sizeof(T));
     return launch_delta<T, I, VB>(cur, base, n, shift, pos, val, newv, cap, ws, ws_bytes, result, stream);
@@ -807,7 +820,7 @@ int64_t dcr_cuda_delta_workspace(int64_t n) {
 // The smallest output capacity that always makes progress (one tile of the vector path).
 int64_t dcr_cuda_delta_min_cap(int width) {
   if (width != 1 && width != 2 && width != 4 && width != 8) return kErrWidth;
-  return int64_t(kBlock) * kVecs * ((kVecBytes > width ? kVecBytes : width) / width);
+  return int64_t(kBlock) * kVecs * (fast_vec_bytes(width) / width);
 }
 
 // Workspace bytes dcr_cuda_scatter needs.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -18,10 +17,9 @@ import pytest
 from nemo_dcr_callback.core import kernels
 from nemo_dcr_callback.tools import doctor
 from tests.helpers import REPO
+from tests.helpers.cuda_emu import load_build_module
 
-spec = importlib.util.spec_from_file_location("cuda_ext_build_for_tests", REPO / "cuda_ext" / "build.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
+build = load_build_module()
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -1,23 +1,20 @@
 """The CUDA kernels' build module and their emulation on the CPU, shared by the kernel tests
-(tests/core/test_cuda_ext.py, tests/core/test_cuda_variants.py)."""
+(tests/core/test_cuda_ext.py, test_cuda_variants.py, test_build.py)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
 from nemo_dcr_callback.core import cuda_kernels, delta
 from nemo_dcr_callback.core.rawbits import bits
+from nemo_dcr_callback.tools import doctor
 from tests.helpers import REPO
 
 
 def load_build_module():
-    """cuda_ext/build.py, the one place the compile lines live (setup.py loads it the same way)."""
-    spec = importlib.util.spec_from_file_location("cuda_ext_build_under_test", REPO / "cuda_ext" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """A fresh copy of cuda_ext/build.py, the one place the compile lines live, loaded as
+    `nemo-dcr build-kernels` loads it (tests may patch their copy)."""
+    return doctor._build_module(REPO / "cuda_ext" / "build.py")
 
 
 build = load_build_module()
