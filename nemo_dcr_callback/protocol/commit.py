@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Collection
 
+import torch
 from safetensors.torch import save
 
 from nemo_dcr_callback.codec import digest
@@ -393,10 +394,41 @@ def abort_dangling(store, versions: list[int], reason: str = "the senders restar
 
 
 # ------------------------------------------------------------------ keyframes and garbage
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytearray | bytes:
+    """The safetensors file of `tensors`, written once into one buffer: safetensors' own save()
+    builds the file and then copies it into bytes, twice the model at its peak (the trainer
+    engine's keyframe 0 holds the baseline beside it)."""
+    if any(t.dtype not in _ST_DTYPES for t in tensors.values()):
+        return save({k: t.contiguous() for k, t in tensors.items()})
+    header, off = {}, 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # (the data starts 8-byte aligned, as safetensors writes it)
+    buf = bytearray(8 + len(head) + off)
+    buf[:8] = len(head).to_bytes(8, "little")
+    buf[8:8 + len(head)] = head
+    view = memoryview(buf)[8 + len(head):]
+    for k, meta in header.items():
+        a, b = meta["data_offsets"]
+        if b > a:
+            flat = tensors[k].detach().contiguous().reshape(-1).cpu()
+            view[a:b] = flat.view(torch.uint8).numpy().data if flat.dtype != torch.uint8 else flat.numpy().data
+    return buf
+
+
 def write_keyframe(store, v: int, tensors: dict, config_json: str | None = None) -> None:
     """A full canonical checkpoint of version v (safetensors), its config and digests; the
     record goes last, so a keyframe with a record is complete."""
-    store.put(keys.keyframe_model(v), save({k: t.contiguous() for k, t in tensors.items()}))
+    store.put(keys.keyframe_model(v), safetensors_bytes(tensors))
     if config_json is not None:
         store.put(keys.keyframe_config(v), config_json.encode())
     store.put(keys.keyframe_record(v), json.dumps({"version": v, "digests": {

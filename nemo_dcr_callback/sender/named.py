@@ -51,7 +51,8 @@ class NamedSender:
 
     def __init__(self, tensors: dict[str, torch.Tensor], rank: int = 0, world: int = 1, *,
                  span: int = codec.DEFAULT_CHUNK_SPAN, level: int = 1, baseline: str = "gpu",
-                 context: str | bool = "auto", link_mbit: float | None = None, encode_threads: int | None = None):
+                 context: str | bool = "auto", link_mbit: float | None = None, encode_threads: int | None = None,
+                 copy: bool = True):
         self.tensors = {n: tensors[n] for n in sorted(tensors)[rank::world]}
         self.rank, self.world, self.span, self.level = rank, world, span, level
         # Tensors encoded at once (None: the kernels' thread count, at most 4). One sender rank
@@ -68,7 +69,10 @@ class NamedSender:
         self.context = context_mode(context)
         check_link(link_mbit)
         self.link_mbit = link_mbit  # the receivers' link, shared by the world senders (context="auto")
-        self.baselines = {n: t.detach().reshape(-1).clone() for n, t in self.tensors.items()}
+        # copy=False: the caller hands over tensors it made for this (NamedPublisher's, streamed in
+        # one at a time), so the sender holds one copy of the model, not two
+        self.baselines = {n: t.detach().reshape(-1) if not copy else t.detach().reshape(-1).clone()
+                          for n, t in self.tensors.items()}
         cuda_kernels.check_baseline_option(baseline)
         self.baselines = {n: cuda_kernels.place_baseline(b, baseline, self.tensors[n].detach().reshape(-1))
                           if b.is_cuda else b for n, b in self.baselines.items()}
@@ -187,25 +191,33 @@ class NamedPublisher:
         self.policy = policy or CommitPolicy()
         self.behind: list[str] = []  # receivers the last decision marked lagging (run_commit)
         self.part_bytes, self.seal_timeout, self.log = part_bytes, seal_timeout, log
-        current = None if tensors is None else _named(tensors)
         last, newest, dangling = commit.resume_point(self.store)
         if not committed_keyframes(self.store):
             if newest:
                 raise PublishError(f"{self.store.url}: versions but no committed keyframe to rebuild them from")
-            if current is None:
+            if tensors is None:
                 raise PublishError(f"{self.store.url} is empty: the first publisher gives the weights the receivers "
                                    "hold (keyframe 0)")
-            commit.write_keyframe(self.store, 0, {n: t.detach().cpu() for n, t in current.items()}, config_json)
-            held = current
+            # one copy each, made as the pairs come: a generator that gathers one tensor at a time
+            # (FSDP's full_tensor) never has the whole model twice on this rank
+            held = {n: _own(t) for n, t in _pairs(tensors)}
+            commit.write_keyframe(self.store, 0, {n: t.cpu() for n, t in held.items()}, config_json)
         else:
             commit.abort_dangling(self.store, dangling, "the publisher restarted", base=last)
             held = reconstruct(self.store, last)
-            if current is not None:
-                _check_names(held, current, f"the store's version {last}")
-                held = {n: t.to(current[n].device) for n, t in held.items()}
+            if tensors is not None:  # checked one pair at a time, none kept
+                seen = set()
+                for n, t in _pairs(tensors):
+                    if n not in held:
+                        raise PublishError(f"the tensors differ from the store's version {last}: unknown {n!r}")
+                    _check_one(n, t, held[n], f"the store's version {last}")
+                    held[n] = held[n].to(t.device)
+                    seen.add(n)
+                if missing := sorted(set(held) - seen):
+                    raise PublishError(f"the tensors differ from the store's version {last}: missing {missing[:3]}")
         self.last, self.newest = last, newest  # last committed; newest version number used
         self.sender = NamedSender(held, span=span, level=level, context=context, link_mbit=link_mbit,
-                                  encode_threads=encode_threads)
+                                  encode_threads=encode_threads, copy=False)
         self.sender.tensors = {}  # publish passes the tensors each time: hold the baselines only
 
     def publish(self, tensors: Tensors, version: int | None = None) -> dict:
@@ -233,7 +245,15 @@ class NamedPublisher:
             self.sender.roll_back()
             commit.abort_dangling(self.store, [v], f"the publisher failed: {exc}", base=self.last)
             raise PublishError(f"version {v} was not published: {exc}") from exc
-        d = commit.run_commit(self.store, rec, self.policy, log=self.log, behind=self.behind)
+        try:
+            d = commit.run_commit(self.store, rec, self.policy, log=self.log, behind=self.behind)
+        except Exception as exc:  # (under "wait", past the timeout): decided abort, so that the
+            # receivers move on, and the baselines restored, so that the next version is taken
+            # against the last committed one; the caller still sees the error
+            d = commit.decide(self.store, v, self.last, "abort", [], [], f"the commit failed: {exc}")
+            if d["decision"] != "commit":
+                self.sender.roll_back()
+                raise
         self.behind = d["lagging"]
         committed = d["decision"] == "commit"
         if committed:
@@ -260,8 +280,13 @@ class NamedPublisher:
             raise PublishError(f"the tensors differ from the baseline: missing {missing[:3]}")
 
 
-def _named(tensors: Tensors) -> dict[str, torch.Tensor]:
-    return dict(tensors.items() if isinstance(tensors, Mapping) else tensors)
+def _pairs(tensors: Tensors) -> Iterable[tuple[str, torch.Tensor]]:
+    return tensors.items() if isinstance(tensors, Mapping) else tensors
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A baseline of its own (the caller's tensor goes on changing), on the tensor's device."""
+    return t.detach().clone()
 
 
 def _check_names(held: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], what: str) -> None:

@@ -168,3 +168,58 @@ def test_an_encoder_failing_in_the_pool_fails_the_version_and_rolls_back(tmp_pat
         s.stream(FileStore(tmp_path), 1, 0)
     s.roll_back()
     assert same_bits({k: b.view(old[k].shape) for k, b in s.baselines.items()}, old)
+
+
+def test_a_generator_source_is_taken_one_tensor_at_a_time(tmp_path):
+    """Keyframe 0 and the resume check from a generator (an FSDP source gathers one parameter at
+    a time): each pair is copied into the baseline as it comes and the caller's tensor is not
+    held; the keyframe's file reads back the same bits as safetensors' own writer."""
+    import gc
+    import weakref
+
+    from safetensors.torch import load
+
+    store = open_store(f"file://{tmp_path}")
+    s0 = model()
+    refs = []
+
+    def gathered():  # a fresh tensor per pair, as full_tensor() returns
+        for n, t in s0.items():
+            gc.collect()  # at most the pair given last is still alive when the next is made
+            assert all(r() is None for r in refs[:-1]), "the publisher holds the source's tensors at once"
+            x = t.clone()
+            refs.append(weakref.ref(x))
+            yield n, x
+
+    pub = NamedPublisher(store, gathered())
+    gc.collect()
+    assert refs and all(r() is None for r in refs), "the publisher kept a tensor the source gave it"
+    assert same_bits(load(store.get(keys.keyframe_model(0))), s0)
+    assert same_bits({n: b.reshape(s0[n].shape) for n, b in pub.sender.baselines.items()}, s0)
+    s1 = _next(s0, torch.Generator().manual_seed(9))
+    assert pub.publish(iter(s1.items()))["committed"]
+    pub2 = NamedPublisher(store, iter(s1.items()))  # resumed: checked pair by pair
+    assert pub2.last == 1
+    with pytest.raises(PublishError, match="missing \\['layer.3.w'\\]"):
+        NamedPublisher(store, ((n, t) for n, t in s1.items() if n != "layer.3.w"))
+
+
+def test_a_commit_that_times_out_is_aborted_and_rolled_back(tmp_path):
+    """Under "wait" a receiver that never acks makes publish raise; the version is then decided
+    abort (receivers move on) and the baselines restored, so the next version is taken against
+    the last committed one and lands bit-exact."""
+    store = open_store(f"file://{tmp_path}")
+    g = torch.Generator().manual_seed(8)
+    s0 = model()
+    pub = NamedPublisher(store, s0, policy=CommitPolicy(mode="wait", timeout=0.3))
+    commit.register(store, "gone", 0)
+    s1 = _next(s0, g)
+    with pytest.raises(commit.CommitTimeout, match="gone"):
+        pub.publish(s1)
+    assert commit.read_decision(store, 1)["decision"] == "abort" and pub.last == 0
+    assert same_bits({n: b.reshape(s0[n].shape) for n, b in pub.sender.baselines.items()}, s0)
+    store.delete(["receivers/gone.json"])
+    s2 = _next(s1, g)
+    d = pub.publish(s2)
+    assert d["committed"] and d["version"] == 2 and d["base"] == 0
+    assert same_bits(reconstruct(store, 2), s2)
