@@ -150,6 +150,14 @@ def _vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deltas", choices=["ulp", "adamw"], default="ulp",
                    help="with --backend: versions of uniform one-ulp changes, or Adam-like steps of fp32 masters")
     p.add_argument("--context", choices=["auto", "on", "off"], default="auto", help="with --backend: dcr.context")
+    p.add_argument("--inflight", type=positive, default=None, metavar="N",
+                   help="a `vllm serve` updated while N requests stream from it: pause vs apply, tokens/s around "
+                        "each update, versions per request (benchmarks/results/vllm_inflight.json)")
+    p.add_argument("--versions", type=positive, default=4, help="with --inflight: updates")
+    p.add_argument("--max-tokens", type=positive, default=128, help="with --inflight: tokens per request")
+    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep", help="with --inflight")
+    p.add_argument("--keep-kv", action="store_true",
+                   help="with --inflight: running requests keep their KV of the old weights (recompute_kv=False)")
     p.add_argument("--json", default=None, help="write the results here (benchmarks/results/vllm.json)")
 
 
@@ -159,11 +167,34 @@ def _vllm(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.bench import vllm  # start-up cost: only when this benchmark runs
 
     rates = tuple(float(x) for x in args.rates.split(","))
-    if args.backend:
+    if args.inflight:
+        from nemo_dcr_callback.bench import inflight  # start-up cost: only when this benchmark runs
+
+        inflight.run(args.inflight, args.versions, rates[1 if len(rates) > 1 else 0], args.hidden, args.layers,
+                     args.vocab, args.max_tokens, args.pause_mode, json_path=args.json, recompute_kv=not args.keep_kv)
+    elif args.backend:
         vllm.run_backend(rates, args.hidden, args.layers, args.vocab, args.json, deltas=args.deltas,
                          context=args.context)
     else:
         vllm.run(rates, args.hidden, args.layers, args.vocab, args.json)
+    return 0
+
+
+# -------------------------------------------------------------- trainer-memory
+def _trainer_memory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=positive, default=1024)
+    p.add_argument("--layers", type=positive, default=12)
+    p.add_argument("--vocab", type=positive, default=32000)
+    p.add_argument("--versions", type=positive, default=2)
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/trainer_memory.json)")
+
+
+def _trainer_memory(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed here: run it in .venv-vllm (make test-vllm builds it)")
+    from nemo_dcr_callback.bench import trainer_memory  # start-up cost: only when this benchmark runs
+
+    trainer_memory.run(args.hidden, args.layers, args.vocab, args.versions, json_path=args.json)
     return 0
 
 
@@ -279,6 +310,8 @@ COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
             _receive_arguments),
     Command("vllm", "a vLLM engine refitted: DCR vs dense load_weights vs vLLM's own patches (in .venv-vllm)",
             _vllm, _vllm_arguments),
+    Command("trainer-memory", "each trainer rank's peak memory with the dcr trainer engine (FSDP2, torchrun; "
+            "in .venv-vllm)", _trainer_memory, _trainer_memory_arguments),
     Command("fp8", "block-FP8 receivers: blocks and bytes changed, shipped vs dense FP8, apply vs dense requantize",
             _fp8, _fp8_arguments),
     Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,

@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,11 +70,11 @@ def oracle(tmp_path_factory):
     return states, dirs, sums, gens
 
 
-def _trainer(dirs, store_url: str, client, context: str = "auto", link_mbit: float | None = None):
+def _trainer(dirs, store_url: str, client, context: str = "auto", link_mbit: float | None = None, **kw):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(dirs[0], torch_dtype=torch.bfloat16)
-    info = DCRTrainerInitInfo(store=store_url, rank=0, receiver_id="rollout-0", commit_timeout_s=120,
+    info = DCRTrainerInitInfo(store=store_url, rank=0, **{"receiver_id": "rollout-0", "commit_timeout_s": 120, **kw},
                               context=context, link_mbit=link_mbit)
     return model, WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
 
@@ -232,3 +233,121 @@ def test_vllm_serve_follows_over_http(tmp_path, oracle):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _readme_trainer_lines() -> str:
+    """The README's trainer lines for vLLM's weight-transfer API, as a user copies them."""
+    text = (Path(__file__).parents[3] / "README.md").read_text()
+    part = text[text.index("**vLLM's weight-transfer API.**"):]
+    return part[part.index("```python\n") + len("```python\n"):part.index("```\n", part.index("```python\n") + 9)]
+
+
+# What the fresh trainer process runs around the README's lines: `model`, `steps` and
+# `train_step` (each step loads the next version's dense checkpoint), and the checks after
+# each version (both engines hold it bit for bit, and generate as a fresh engine of it does).
+_PRELUDE = '''
+import json, sys, torch, urllib.request
+from transformers import AutoModelForCausalLM
+cfg = json.load(open(sys.argv[1]))
+model = AutoModelForCausalLM.from_pretrained(cfg["dirs"][cfg["first"]], torch_dtype=torch.bfloat16)
+steps = len(cfg["dirs"]) - 1 - cfg["first"]
+held = [cfg["first"]]
+results = []
+
+def _post(base, path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+def train_step(model):
+    if held[0] > cfg["first"]:
+        _check(held[0])
+    held[0] += 1
+    nxt = AutoModelForCausalLM.from_pretrained(cfg["dirs"][held[0]], torch_dtype=torch.bfloat16)
+    model.load_state_dict(nxt.state_dict())
+
+def _check(v):
+    results.append({k: d[k] for k in ("version", "committed", "acked", "engines")} | {"checked": v})
+    assert d["version"] == v and d["committed"], d
+    for base in cfg["bases"]:
+        got = _post(base, "/weight_checker", {"action": "compare", "baseline": cfg["sums"][v]})
+        assert got == {"match": True, "mismatches": []}, (base, v, got)
+'''
+_EPILOGUE = '''
+_check(held[0])
+import vllm.plugins
+assert not vllm.plugins.plugins_loaded, "the trainer process loaded vLLM's plugins (an engine was built)"
+json.dump(results, open(cfg["out"], "w"))
+'''
+
+
+def test_two_servers_one_trainer_requests_in_flight(tmp_path, oracle):
+    """Two real `vllm serve` behind one trainer engine: one started from another checkpoint is
+    refused by its own id; the README's trainer lines, run in a fresh process that builds no
+    engine, then keep both bit-exact over 4 versions while 32 requests stream from one of them
+    (every request completes; requests that crossed an update carry the versions of their
+    tokens); with one engine gone, a version does not commit under `wait`."""
+    from nemo_dcr_callback.bench import inflight
+    from nemo_dcr_callback.integrations.vllm_transfer import EngineError
+
+    states, dirs, sums, gens = oracle
+    store = FileStore(tmp_path / "store")
+    ports = [_free_port(), _free_port()]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    # B starts from version 1's checkpoint: it cannot follow from version 0
+    procs = [inflight.serve(dirs[v], p, store.url, log=open(tmp_path / f"serve{i}.log", "w"))
+             for i, (v, p) in enumerate(zip((0, 1), ports, strict=True))]
+    try:
+        inflight.wait_up(bases, procs)
+        with pytest.raises(EngineError) as err:
+            _trainer(dirs, store.url, [HTTPClient(b) for b in bases], receiver_id="rollout")
+        assert set(err.value.errors) == {"rollout-1"}, err.value.errors  # B by name; A initialised
+        assert "rollout-1" not in commit.receivers(store)
+
+        # A alone takes version 1, which B holds already
+        model, trainer = _trainer(dirs, store.url, [HTTPClient(bases[0])], receiver_ids=["rollout-0"])
+        model.load_state_dict(states[1], strict=False)
+        d = trainer.send_weights()
+        assert d["committed"] and d["acked"] == ["rollout-0"], d
+
+        # the README's lines in a fresh process, both engines, while requests stream from A
+        cfg = {"dirs": [str(x) for x in dirs], "first": 1, "bases": bases, "sums": sums,
+               "out": str(tmp_path / "r.json")}
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+        lines = (_readme_trainer_lines().replace("s3://bucket/run-1", store.url)
+                 .replace("http://rollout-a:8000", bases[0]).replace("http://rollout-b:8000", bases[1]))
+        (tmp_path / "trainer.py").write_text(_PRELUDE + lines + _EPILOGUE)
+        load = inflight.Load(bases[0], 32, max_tokens=48).start()
+        try:
+            run = subprocess.run([sys.executable, str(tmp_path / "trainer.py"), str(tmp_path / "cfg.json")],
+                                 capture_output=True, text=True, timeout=900)
+        finally:
+            reqs = load.stop()
+        assert run.returncode == 0, run.stderr[-3000:]
+        results = json.loads((tmp_path / "r.json").read_text())
+        assert [r["checked"] for r in results] == list(range(2, N + 1))
+        for r in results:
+            assert r["acked"] == ["rollout-0", "rollout-1"] and set(r["engines"]) == {"rollout-0", "rollout-1"}, r
+            assert all(e["resets"] >= 1 and e["pause_s"] >= e["apply_s"] > 0 for e in r["engines"].values()), r
+        assert reqs and all(r.error is None and r.finish == "length" and len(r.tokens) == 48 for r in reqs), \
+            [r.error for r in reqs if r.error][:3]
+        crossed = inflight.crossed(reqs)
+        assert crossed, "no request was in flight across an update"
+        for r in crossed:
+            vs = r.version_of_tokens(initial=1)  # (A started from version 0, but took 1 before the load)
+            assert len(vs) == 48 and vs == sorted(vs) and 1 <= vs[0] < vs[-1] <= N, r.versions
+
+        # B gone: under "wait" the next version does not commit (B registered and never acks)
+        inflight.stop(procs[1])
+        model, trainer = _trainer(dirs, store.url, [HTTPClient(bases[0])], receiver_ids=["rollout-0"],
+                                  commit_timeout_s=10)
+        model.load_state_dict(states[N - 1], strict=False)
+        with pytest.raises(commit.CommitTimeout, match="rollout-1"):
+            trainer.send_weights()
+        assert commit.read_decision(store, N + 1)["decision"] == "abort"
+        got = _post(bases[0], "/weight_checker", {"action": "compare", "baseline": sums[N]})
+        assert got == {"match": True, "mismatches": []}, got
+    finally:
+        for p in procs:
+            inflight.stop(p)
