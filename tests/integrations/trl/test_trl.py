@@ -22,11 +22,8 @@ The model is a random tiny Llama with a byte-level tokenizer (tiny.py): the hub 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,36 +34,13 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="needs vLLM (make test-trl: .venv-vllm with TRL)")
 pytest.importorskip("trl", reason="needs TRL 1.16 (make test-trl)")
 
+from nemo_dcr_callback.bench import inflight  # noqa: E402
 from nemo_dcr_callback.integrations.trl import DCRWeightTransfer  # noqa: E402
+from nemo_dcr_callback.launcher import free_port  # noqa: E402
 from nemo_dcr_callback.transport.store import FileStore  # noqa: E402
 from tests.integrations.trl.tiny import cpu_flash_attn, mean_token_reward, tiny_checkpoint  # noqa: E402
 
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(ckpt: Path, port: int, store_url: str, log: Path) -> subprocess.Popen:
-    """What `VLLM_SERVER_DEV_MODE=1 vllm serve CKPT --weight-transfer-config '{"backend": "dcr"}'` runs."""
-    cmd = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
-           "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-           "--enforce-eager", "--max-model-len", "256", "--seed", "0",
-           "--weight-transfer-config", json.dumps({"backend": "dcr"})]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", NEMO_DCR_VLLM_STORE=store_url, VLLM_CPU_KVCACHE_SPACE="1")
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(60)
-    proc.kill()  # (nothing once it has exited)
-    proc.wait()
 
 
 class Recorded(DCRWeightTransfer):
@@ -92,9 +66,10 @@ def test_async_grpo_trainer_syncs_bit_exact_through_dcr(tmp_path, monkeypatch, c
     t0 = time.monotonic()
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     store = FileStore(tmp_path / "store")
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
-    server = _serve(ckpt, port, store.url, log)  # (starts while this process imports TRL)
+    # (starts while this process imports TRL)
+    server = inflight.serve(ckpt, port, store.url, log=open(log, "w"), tokenizer=True)
     times = {}
     try:
         from datasets import Dataset
@@ -117,7 +92,7 @@ def test_async_grpo_trainer_syncs_bit_exact_through_dcr(tmp_path, monkeypatch, c
         times["train"] = time.monotonic() - t0
         assert server.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
     finally:
-        _stop(server)
+        inflight.stop(server)
     from vllm import plugins
 
     assert not plugins.plugins_loaded, "the trainer's process loaded vLLM's plugins (built an engine?)"
