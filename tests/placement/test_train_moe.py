@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from safetensors import safe_open
 
 from nemo_dcr_callback.launcher import torchrun_cmd
@@ -20,6 +21,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128
         "model.num_query_groups=2", "model.vocab_size=256", "model.seq_length=16", "optimizer.lr=1e-3"]
 
 
+@pytest.mark.slow  # (about 17 s; make test keeps the MoE refit)
 def test_qwen3_moe_ep2_training_verifies_every_version(tmp_path):
     cmd = torchrun_cmd(2, ["-m", "nemo_dcr_callback.recipes.train", f"hydra.run.dir={tmp_path / 'run'}", *TINY,
                            "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.torch import load, load_file
 
 from nemo_dcr_callback.launcher import kill_tree, torchrun_cmd
@@ -27,6 +28,7 @@ MODEL = ["parallel.tensor_model_parallel_size=2", "model.num_layers=2", "model.h
          "model.vocab_size=256", "model.seq_length=16", "optimizer.lr=1e-3"]
 
 
+@pytest.mark.slow  # (about 30 s, and its receiver stop is timed: make test-all)
 def test_versions_commit_again_after_an_abort_with_tp2(tmp_path):
     store = FileStore(tmp_path / "store")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -16,7 +16,7 @@ from nemo_dcr_callback.protocol import commit
 WORKER = Path(__file__).with_name("s3_publish_worker.py")
 
 
-@pytest.mark.parametrize("worker", ["process", "thread"])
+@pytest.mark.parametrize("worker", ["process", pytest.param("thread", marks=pytest.mark.slow)])  # (make test: one)
 def test_training_abort_restores_baselines_then_commits(seaweed, tmp_path, worker):
     """torchrun, 2 ranks (TP 2), the Publisher on S3 with the abort policy: a registered
     receiver that never acks makes version 1 abort, and every rank's baselines are back at

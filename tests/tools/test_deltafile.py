@@ -77,6 +77,7 @@ def test_diff_patch_byte_identical(tmp_path, layout):
         assert torch.equal(bits(loaded[k].contiguous()), bits(v.contiguous())), k
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_added_removed_and_retyped_tensors(tmp_path):
     g = torch.Generator().manual_seed(1)
     a = {"x": random_tensor((50,), torch.bfloat16, g), "gone": random_tensor((5,), torch.bfloat16, g),
@@ -92,6 +93,7 @@ def test_added_removed_and_retyped_tensors(tmp_path):
     assert st["full_tensors"] == 3 and st["removed_tensors"] == 1
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_stats(tmp_path):
     old, new, _ = make_pair(tmp_path, "dir", rate=0.05)
     run("diff", old, new, "-o", tmp_path / "d.dcr", "-q")
@@ -133,6 +135,7 @@ def test_corrupt_delta_refused(tmp_path):
     _assert_refused(tmp_path, old, bad, "checksum")
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_truncated_delta_refused(tmp_path):
     old, new, d = _diffed(tmp_path)
     raw = d.read_bytes()
@@ -142,6 +145,7 @@ def test_truncated_delta_refused(tmp_path):
         _assert_refused(tmp_path, old, bad, msg)
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_corrupt_manifest_refused(tmp_path):
     old, new, d = _diffed(tmp_path)
     raw = bytearray(d.read_bytes())
@@ -156,6 +160,7 @@ def test_wrong_base_refused(tmp_path):
     _assert_refused(tmp_path, new, d, "does not match the delta's base")
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_wrong_model_refused(tmp_path):
     old, new, d = _diffed(tmp_path)
     other = tmp_path / "other.safetensors"
@@ -163,6 +168,7 @@ def test_wrong_model_refused(tmp_path):
     _assert_refused(tmp_path, other, d, "wrong base")
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_wrong_version_refused(tmp_path):
     old, new, d = _diffed(tmp_path)
     raw = bytearray(d.read_bytes())
@@ -171,6 +177,7 @@ def test_wrong_version_refused(tmp_path):
     _assert_refused(tmp_path, old, d, "version 9")
 
 
+@pytest.mark.slow  # (a CLI process each, about 5-12 s: make test keeps the round trips and two refusals)
 def test_missing_inputs_and_existing_output(tmp_path):
     old, new, _ = make_pair(tmp_path)
     p = run("diff", tmp_path / "nope", new, "-o", tmp_path / "d", ok=False)
