@@ -78,6 +78,18 @@ def _post(base: str, path: str, body: dict | None = None, timeout: float = 900.0
     return json.loads(raw) if raw else {}
 
 
+def _reset_prefix_cache(base: str, tries: int = 5) -> None:
+    """Reset the server's prefix cache and check the answer: vLLM refuses (success=false) while
+    requests hold blocks, so the running ones are preempted (their KV recomputed with the new
+    weights); refused every time, it is an error naming why."""
+    for attempt in range(1, tries + 1):
+        if _post(base, "/reset_prefix_cache?reset_running_requests=true").get("success"):
+            return
+        time.sleep(0.05 * attempt)
+    raise ServeError(f"vllm serve at {base} refused to reset its prefix cache {tries} times: its cached KV is "
+                     "from the old weights")
+
+
 def rpc(base: str, method: str, **kwargs) -> list:
     """One collective_rpc over HTTP (arguments go as strings); the workers' answers."""
     return _post(base, "/collective_rpc", {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}})[
@@ -172,7 +184,7 @@ def run(store_url: str, model_dir: str, *, receiver_id: str | None = None, versi
                 _emit(json_lines, f"receiver: refused {first['refused']}; serving version {first['version']}",
                      event="refused", version=first["version"], error=first["refused"])
             if first["applied"]:
-                _post(base, "/reset_prefix_cache")  # cached KV was computed with the old weights
+                _reset_prefix_cache(base)  # cached KV was computed with the old weights
                 held = first["version"]
                 pause = max(g["pause_s"] for g in got)
                 _emit(json_lines, f"receiver: version {held} applied in place: pause {1e3 * pause:.1f} ms "

@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if up["refused"]:
             print(f"rl_rollout: a version was refused: {up['refused']}", file=sys.stderr, flush=True)
         if up["applied"]:
-            llm.reset_prefix_cache()
+            if not llm.reset_prefix_cache():  # (nothing runs between batches: a refusal is a fault)
+                raise RuntimeError(f"rl_rollout: the engine refused to reset its prefix cache after version "
+                                   f"{up['version']}: its cached KV is from the old weights")
             log.write(json.dumps({"event": "update", "applied": up["applied"], "pause_s": up["pause_s"],
                                   "fetch_decode_s": up["fetch_decode_s"], "held": up["version"],
                                   "check": check(up["version"]), "time": time.time()}) + "\n")
