@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: wheelhouse device-dry-run security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl test-trl placement faults demo bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
+.PHONY: wheelhouse device-dry-run security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl test-trl placement faults demo soak-short bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
 
 setup: $(STAMP)
 
@@ -136,7 +136,11 @@ placement: setup  # the full multi-process placement matrix (TP/PP/DP, GQA, tied
 	$(BIN)/python -m pytest -q tests/placement
 
 # The chaos soak (docs/FAULTS.md): the whole fleet under seeded overlapping faults; SEED=N
-# replays a schedule. make test runs a short one (tests/soak/test_soak.py).
+# replays a schedule. soak-short runs the short one (tests/soak/test_soak.py, about 150 s: a CI
+# step of its own, out of make test's 12 minutes).
+soak-short: setup
+	$(BIN)/python -m pytest -q tests/soak/test_soak.py
+
 SEED ?= 1
 soak: setup
 	$(BIN)/python -m tests.soak.run --seed $(SEED) --versions 500 --faults 100 --mean-gap-s 6 \

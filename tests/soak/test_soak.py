@@ -18,6 +18,7 @@ from tests.soak.fleet import can_mount_tmpfs
 from tests.soak.run import Soak, SoakConfig, print_failure
 
 
+@pytest.mark.slow  # (about 150 s: `make soak-short`, a CI step of its own)
 @pytest.mark.parametrize("seed", [1])
 def test_short_soak(tmp_path, seed):
     cfg = SoakConfig(seed=seed, versions=40, faults=12, mean_gap_s=5.0, workdir=str(tmp_path / "soak"),
