@@ -18,9 +18,10 @@ from collections.abc import Callable, Collection
 import torch
 from safetensors.torch import save
 
+from nemo_dcr_callback.bounded import Bounded
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.config import CommitPolicy
-from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.protocol import keys, records
 from nemo_dcr_callback.protocol.keys import (  # noqa: F401 - re-exported for commit's callers
     ack_key,
     decision_key,
@@ -47,40 +48,42 @@ from nemo_dcr_callback.protocol.records import (  # noqa: F401 - re-exported for
     dump,
 )
 from nemo_dcr_callback.protocol.store import StoreError, backoff, wait_change, wait_news
+from nemo_dcr_callback.safe_io import TooLarge
 
 
 def read_json(store, key: str, limit: int | None = None):
     """A JSON object from the store, or None if the key does not exist; RecordError (naming the
-    key) if the object is not JSON this reader takes: not JSON, over `limit` bytes, a number
-    past Python's 4,300 digits (ValueError) or nesting past its recursion limit."""
+    key) if the object is not JSON this reader takes: over `limit` bytes (default: what its
+    kind of object may have, records.read_limit), refused unread by its size; refused by a
+    relay as a bad record; not JSON, a number past Python's 4,300 digits or nesting past its
+    recursion limit."""
+    limit = records.read_limit(key) if limit is None else limit
     try:
-        data = store.get(key)
+        data = store.get(key, limit=limit)
     except KeyError:
         return None
-    if limit is not None and len(data) > limit:
-        raise RecordError(f"{key}: {len(data)} bytes, more than such a record may have ({limit})")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-        raise RecordError(f"{key}: not JSON this reader takes ({len(data)} bytes)") from None
+    except TooLarge as exc:
+        raise RecordError(f"{key}: {exc.size} bytes, more than such a record may have ({limit})") from None
+    return records.parse(key, data)
 
 
-_warned: set[str] = set()
+# keys already warned about (one warning per bad key; Bounded: made-up keys cannot grow it)
+_warned: Bounded[tuple[str, str], None] = Bounded(4096)  # (store URL, key)
 
 
-def _lenient(kind: str, key: str, obj) -> dict | None:
+def _lenient(kind: str, key: str, obj, where: str = "") -> dict | None:
     """A receiver-written record, or None (with one warning per key) if it is malformed: one
     bad registration or ack must not stop training or the tools."""
     if obj is None or isinstance(obj, RecordError):
-        if obj is not None and key not in _warned:
-            _warned.add(key)
+        if obj is not None and (where, key) not in _warned:
+            _warned[(where, key)] = None
             print(f"nemo-dcr: skipping {obj}", file=sys.stderr)
         return None
     try:
         return check(kind, key, obj)
     except RecordError as exc:
-        if key not in _warned:
-            _warned.add(key)
+        if (where, key) not in _warned:
+            _warned[(where, key)] = None
             print(f"nemo-dcr: skipping {exc}", file=sys.stderr)
         return None
 
@@ -103,7 +106,8 @@ def read_receiver_records(store, kind: str, keys: list[str]) -> list[dict | None
         raw = [_read_lenient(store, k) for k in keys]
     else:
         raw = list(pool().map(lambda k: _read_lenient(store, k), keys))
-    return [_lenient(kind, k, r) for k, r in zip(keys, raw, strict=True)]
+    where = getattr(store, "url", "")
+    return [_lenient(kind, k, r, where) for k, r in zip(keys, raw, strict=True)]
 
 
 def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, poll: float = 0.01) -> VersionRecord:
@@ -141,7 +145,7 @@ def seal_version(store, v: int, base: int, world: int, timeout: float = 600.0, p
                         changed=sum(m["changed"] for m in ms.values()),
                         digests={k: digest.hexd(d) for k, d in sorted(digests.items())}, time=time.time())
     if not store.put_if_absent(version_record(v), dump(rec)):
-        rec = json.loads(store.get(version_record(v)))
+        rec = read_json(store, version_record(v))
     return rec
 
 
@@ -267,7 +271,7 @@ def decide(store, v: int, base: int, decision: str, acked: list[str], lagging: l
                  reason=reason, time=time.time())
     if store.put_if_absent(decision_key(v), json.dumps(d).encode()):
         return d
-    return json.loads(store.get(decision_key(v)))
+    return read_json(store, decision_key(v))
 
 
 def read_decision(store, v: int) -> Decision | None:
@@ -369,9 +373,11 @@ def await_decision(store, v: int, timeout: float, poll: float = 0.01, token: int
 
 # ------------------------------------------------------------------ restarting a sender
 def resume_point(store) -> tuple[int, int, list[int]]:
-    """Where a restarted sender picks up: (last committed version, newest version number in
+    """Where a restarting sender picks up: (last committed version, newest version number in
     the store, the versions after the last committed one that nobody decided: left behind by
-    a sender that died mid-version)."""
+    a sender that died mid-version). An undecided folder holding nothing but acks is no
+    version (a receiver, or anyone with its token, acked a version nobody published): it is
+    skipped with a warning, so it cannot push the next version number out of range."""
     versions = list_versions(store)
     last, dangling = 0, []
     for v in versions:
@@ -380,7 +386,12 @@ def resume_point(store) -> tuple[int, int, list[int]]:
             last, dangling = v, [x for x in dangling if x > v]
         elif d is None:
             dangling.append(v)
-    return last, max(versions, default=0), [v for v in dangling if v > last]
+    ghosts = [v for v in dangling if v > last and not any(not keys.is_ack(k) for k in store.list(vdir(v)))]
+    if ghosts:
+        print(f"nemo-dcr: ignoring version folders that hold only acks (no version was published there): "
+              f"{ghosts[:4]}", file=sys.stderr, flush=True)
+    versions = [v for v in versions if v not in ghosts]
+    return last, max(versions, default=0), [v for v in dangling if v > last and v not in ghosts]
 
 
 def abort_dangling(store, versions: list[int], reason: str = "the senders restarted", base: int = 0) -> None:

@@ -153,14 +153,30 @@ def is_history(key: str) -> bool:
     return (key.startswith(f"{VERSIONS}/") or key.startswith(f"{KEYFRAMES}/")) and not is_ack(key)
 
 
+NAME_MAX = 200  # characters of a receiver's name
+
+
+def name_error(name: str) -> str | None:
+    """Why a receiver name is refused (None: it is fine): printable Unicode without surrogates
+    (a name with a lone surrogate could not be printed: `status` stopped), no '/', at most
+    NAME_MAX characters."""
+    if not name or len(name) > NAME_MAX:
+        return f"a name of {len(name)} characters (1 to {NAME_MAX})"
+    if not name.isprintable() or any(0xD800 <= ord(c) <= 0xDFFF for c in name):
+        return f"a name with unprintable characters ({ascii(name)[:60]})"
+    if "/" in name or name in (".", ".."):
+        return f"a name that is a path ({name!r})"
+    return None
+
+
 def receiver_record(key: str) -> tuple[str, str, int | None] | None:
     """("registration", receiver, None) or ("ack", receiver, version) for a receiver-written
     key, else None: what a receiver's token may write, and whose record it must be."""
     parts = key.split("/")
-    if len(parts) == 2 and parts[0] == RECEIVERS and parts[1].endswith(".json") and len(parts[1]) > 5:
+    if len(parts) == 2 and parts[0] == RECEIVERS and parts[1].endswith(".json") and not name_error(parts[1][:-5]):
         return "registration", parts[1][:-5], None
     if (len(parts) == 4 and parts[0] == VERSIONS and version_of(parts[1]) is not None and parts[2] == ACKS
-            and parts[3].endswith(".json") and len(parts[3]) > 5):
+            and parts[3].endswith(".json") and not name_error(parts[3][:-5])):
         return "ack", parts[3][:-5], int(parts[1])
     return None
 

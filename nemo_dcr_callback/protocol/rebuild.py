@@ -16,7 +16,7 @@ from safetensors.torch import load
 
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
-from nemo_dcr_callback.protocol import commit, keys
+from nemo_dcr_callback.protocol import commit, keys, records
 
 
 class KeyframeError(ValueError):
@@ -27,7 +27,7 @@ def load_keyframe(store, k: int) -> tuple[dict, bytes]:
     """Keyframe k's tensors (and the file's bytes), checked against its record: a corrupt or
     replaced keyframe is refused with its key named, before any receiver starts from it."""
     key = keys.keyframe_model(k)
-    blob = store.get(key)
+    blob = store.get(key, limit=records.read_limit(key))
     try:
         tensors = load(blob)
     except Exception as exc:  # (safetensors raises its own SafetensorError, and others on odd headers)
@@ -70,7 +70,7 @@ def read_version(store, v: int) -> tuple[commit.VersionRecord, list[bytes]]:
             raise codec.ChunkError(f"{key}: manifest is for version {m['version']} on {m['base']}, not {v}")
         for p in m["parts"]:
             try:
-                blob = store.get(p["key"])
+                blob = store.get(p["key"], limit=p["bytes"])
             except KeyError:
                 raise codec.ChunkError(f"{p['key']}: part missing from the store") from None
             if len(blob) != p["bytes"] or xxhash.xxh3_64_hexdigest(blob) != p["checksum"]:

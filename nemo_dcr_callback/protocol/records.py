@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Literal, TypedDict
+
+from nemo_dcr_callback.protocol import keys
 
 
 class PartRef(TypedDict):
@@ -93,6 +96,39 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 # this many bytes (a real one is about 150), so reading one costs little whatever was written.
 RECEIVER_RECORD_MAX = 16 << 10
 MAX_INT = 1 << 63  # counts, versions and sizes are in [0, 2^63)
+# Every read of a store object states the largest it takes (refused by its size, unread):
+JSON_MAX = 64 << 20  # manifests, version records, decisions, keyframe records, configs, stats
+# a keyframe's or verify's model (parts are read at the size their rank manifest states); a
+# real checkpoint may be this large, and the readers load it whole anyway
+OBJECT_MAX = 1 << 40
+# a part (about PublisherConfig.part_bytes; a relay takes at most its max_object_mb): parts
+# are fetched as soon as listed, before their manifest states their exact size
+PART_MAX = 1 << 32
+# A receiver's clock may run ahead of the reader's by this much; a registration or ack from
+# further in the future is refused (one dated 1e300 counted as live for ever).
+CLOCK_SKEW_S = 300.0
+
+
+def read_limit(key: str) -> int:
+    """The largest object a reader takes under `key`, by the kind of object it names."""
+    kind = keys.kind(key)
+    if kind in ("registration", "ack"):
+        return RECEIVER_RECORD_MAX
+    if kind == "part":
+        return PART_MAX
+    if kind in ("keyframe_model", "verify_model"):
+        return OBJECT_MAX
+    return JSON_MAX
+
+
+def parse(key: str, data: bytes | bytearray):
+    """JSON from a store object, RecordError naming the key for anything this reader does not
+    take (not JSON, not UTF-8, a number past Python's 4,300 digits, nesting past its recursion
+    limit)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise RecordError(f"{key}: not JSON this reader takes ({len(data)} bytes)") from None
 
 
 def _field_ok(val, types) -> bool:
@@ -117,6 +153,16 @@ def check(kind: str, key: str, obj) -> dict:
             raise RecordError(f"{key}: not a {kind} record (field {field!r} is {shown})")
     if kind == "decision" and obj["decision"] not in ("commit", "abort"):
         raise RecordError(f"{key}: not a decision record (decision {obj['decision']!r})")
+    if kind in ("registration", "ack"):
+        # what receivers write is checked for meaning too, not only form
+        if obj["time"] > time.time() + CLOCK_SKEW_S:
+            raise RecordError(f"{key}: not a {kind} record (dated {obj['time']:.6g}, more than {CLOCK_SKEW_S:.0f} s "
+                              "ahead of this clock)")
+        if obj["version"] > keys.MAX_VERSION or obj.get("base", 0) > keys.MAX_VERSION:
+            raise RecordError(f"{key}: not a {kind} record (version {obj['version']} past {keys.MAX_VERSION})")
+        bad = keys.name_error(obj["receiver"])
+        if bad:
+            raise RecordError(f"{key}: not a {kind} record ({bad})")
     return obj
 
 

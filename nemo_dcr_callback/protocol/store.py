@@ -38,9 +38,11 @@ def put_once(store, key: str, data: bytes, **kw) -> None:
     if store.put_if_absent(key, data, **kw):
         return
     try:
-        same = store.get(key) == data
+        same = store.get(key, limit=len(data)) == data
     except KeyError:  # deleted since (gc): write it again
         return put_once(store, key, data, **kw)
+    except ValueError:  # larger than ours (safe_io.TooLarge, refused unread): other bytes
+        same = False
     if not same:
         raise ImmutableError(f"{key} is history and immutable in {redact(store.url)}: it exists with "
                              f"other bytes, not replaced")

@@ -33,6 +33,8 @@ from nemo_dcr_callback.codec.decode import OldBits
 from nemo_dcr_callback.config import FETCH_LANES
 from nemo_dcr_callback.core.bitops import scatter, ulp_negate
 from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, OP_ULP, OP_XOR, bits
+from nemo_dcr_callback.protocol.records import read_limit
+from nemo_dcr_callback.safe_io import TooLarge
 
 Part = tuple[int, str, list[codec.DecodedChunk]]  # a part's bytes, xxh3 and decoded chunks
 
@@ -184,13 +186,17 @@ def fetch_part(store, key: str, check: Check, old: OldBits | None = None) -> tup
     if pieces is not None:
         part = _PartDecoder(check, old)
         try:
-            pieces(key, part)
+            pieces(key, part, limit=read_limit(key))
         except KeyError:
             raise codec.ChunkError(f"{key}: part missing from the store") from None
+        except TooLarge as exc:
+            raise codec.ChunkError(str(exc)) from None
         return (key, *part.finish())
     try:
-        blob = store.get(key)
+        blob = store.get(key, limit=read_limit(key))
     except KeyError:
         raise codec.ChunkError(f"{key}: part missing from the store") from None
+    except TooLarge as exc:
+        raise codec.ChunkError(str(exc)) from None
     decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check, old)]
     return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded

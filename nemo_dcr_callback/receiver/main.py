@@ -16,6 +16,7 @@ from nemo_dcr_callback import codec
 from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import latest_keyframe, load_keyframe
+from nemo_dcr_callback.protocol.records import read_limit
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
 from nemo_dcr_callback.receiver.targets import CheckpointDirTarget, LoaderTarget
 from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
@@ -38,7 +39,7 @@ def load_model(store, hf_model: str | None, timeout: float):
         try:
             if k is not None and store.exists(keys.keyframe_config(k)):
                 _, blob = load_keyframe(store, k)  # (checked before transformers sees it)
-                config = store.get(keys.keyframe_config(k))
+                config = store.get(keys.keyframe_config(k), limit=read_limit(keys.keyframe_config(k)))
                 break
         except KeyError:  # gc deleted it under us: a newer one is there
             pass
@@ -63,7 +64,7 @@ def verify_version(store, v: int, tensors: dict[str, torch.Tensor], timeout: flo
         if time.monotonic() > deadline:
             raise TimeoutError(f"no dense export of version {v} to verify against after {timeout:.0f} s")
         time.sleep(0.05)
-    ref = load(store.get(commit.verify_key(v)))
+    ref = load(store.get(commit.verify_key(v), limit=read_limit(commit.verify_key(v))))
     for name, t in ref.items():
         mine = tensors.get(name)
         if mine is not None and mine.device != t.device:  # a model on a GPU (--device): compared on the host

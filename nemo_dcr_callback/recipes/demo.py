@@ -76,7 +76,7 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
     import threading
 
     from nemo_dcr_callback.launcher import torchrun_cmd
-    from nemo_dcr_callback.protocol import keys
+    from nemo_dcr_callback.protocol import commit, keys
     from nemo_dcr_callback.transport.store import open_store
 
     root = (Path(workdir) if workdir else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
@@ -121,12 +121,12 @@ def run_training_demo(steps: int, tp: int, pp: int, workdir: str | None) -> int:
         print("demo FAILED: the receiver exited with an error")
         return 1
     store = open_store(url)
-    stats = [s for k in store.list(keys.STATS) for s in json.loads(store.get(k))]
+    stats = [s for k in store.list(keys.STATS) for s in commit.read_json(store, k) or []]
     applied = {int(x.split()[2]): x for x in lines if x.startswith("receiver: version ")}
     print(f"\n{'step':>4} {'changed':>9} {'delta':>10} {'dense':>10} {'ratio':>7} {'publish ms':>10} "
           f"{'apply ms':>9}  check")
     for v in range(1, steps + 1):
-        rec = json.loads(store.get(keys.version_record(v)))
+        rec = commit.read_json(store, keys.version_record(v))
         publish_ms = 1e3 * max(s["kernel_s"] + s["encode_s"] + s["upload_s"] + s["seal_s"]
                                for s in stats if s["version"] == v)
         line = applied.get(v, "")

@@ -23,7 +23,9 @@ from urllib.parse import parse_qs, quote, urlencode, urlparse
 
 import xxhash
 
+from nemo_dcr_callback.protocol.records import RecordError
 from nemo_dcr_callback.protocol.store import StoreError, long_polls, wait_news
+from nemo_dcr_callback.safe_io import TooLarge
 from nemo_dcr_callback.transport.relay.wire import CHECKSUM_HEADER, OBJECT_ROUTE, TOKEN_ENV
 
 
@@ -62,8 +64,10 @@ class _Conn:
                 pass
             self.sock = None
 
-    def request(self, method: str, path: str, body: bytes | None) -> tuple[_Response, bool]:
-        """(response, the connection is done with: the relay said close)"""
+    def request(self, method: str, path: str, body: bytes | None, limit: int | None = None) -> tuple[_Response, bool]:
+        """(response, the connection is done with: the relay said close). A body over `limit`
+        bytes is refused by its Content-Length, unread (TooLarge: the caller drops the
+        connection)."""
         n = len(body) if body else 0
         head = f"{method} {path} HTTP/1.1\r\n{self.head}Content-Length: {n}\r\n\r\n".encode("latin-1")
         if n and n <= 1 << 16:
@@ -89,20 +93,27 @@ class _Conn:
         if method == "HEAD" or status in (204, 304) or status < 200:
             data = b""
         elif headers.get("transfer-encoding", "").lower() == "chunked":
-            data = self._chunked()
+            data = self._chunked(limit)
         elif "content-length" in headers:
             want = int(headers["content-length"])
+            if limit is not None and want > limit and status == 200:
+                raise TooLarge(path, want, limit)
             data = self.rf.read(want)
             if len(data) != want:
                 raise ConnectionError(f"response body ended after {len(data)} of {want} bytes")
         else:
-            data, close = self.rf.read(), True
+            data, close = self.rf.read(-1 if limit is None else limit + 1), True
+            if limit is not None and len(data) > limit:
+                raise TooLarge(path, len(data), limit)
         return _Response(status, data, headers), close
 
-    def _chunked(self) -> bytes:
-        out = []
+    def _chunked(self, limit: int | None = None) -> bytes:
+        out, got = [], 0
         while True:
             size = int(self.rf.readline(1 << 16).split(b";")[0].strip() or b"x", 16)
+            got += size
+            if limit is not None and got > limit:
+                raise TooLarge("a chunked body", got, limit)
             if size == 0:
                 while self.rf.readline(1 << 16) not in (b"\r\n", b"\n", b""):
                     pass  # trailers
@@ -151,10 +162,10 @@ class RelayStore:
             c = self._local.conn = _Conn(self.host, self.port, self.ssl, self.read_timeout, self._auth)
         return c
 
-    def _send(self, method: str, path: str, body: bytes | None) -> _Response:
+    def _send(self, method: str, path: str, body: bytes | None, limit: int | None = None) -> _Response:
         c = self._conn()
         try:
-            r, close = c.request(method, path, body)
+            r, close = c.request(method, path, body, limit)
         except BaseException:
             c.close()
             self._local.conn = None
@@ -164,11 +175,14 @@ class RelayStore:
             self._local.conn = None
         return r
 
-    def _req(self, method: str, path: str, body: bytes | None = None, fields: dict | None = None) -> _Response:
+    def _req(self, method: str, path: str, body: bytes | None = None, fields: dict | None = None,
+             limit: int | None = None) -> _Response:
         if fields:
             path += "?" + urlencode(fields)
         try:
-            r = self._send(method, path, body)
+            r = self._send(method, path, body, limit)
+        except TooLarge:
+            raise
         except (OSError, ValueError) as exc:  # ValueError: a malformed response
             why = type(exc).__name__
             if isinstance(exc, ConnectionError) and exc.args:  # (ours name what was wrong)
@@ -181,10 +195,17 @@ class RelayStore:
             raise StoreError(f"relay at {self.url} failed (HTTP {r.status}): {_error(r)}")
         return r
 
-    def get(self, key: str) -> bytes:
-        r = self._req("GET", OBJECT_ROUTE + quote(key))
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; KeyError if absent; TooLarge (by its length, unread) over
+        `limit` bytes; RecordError where the relay refuses a receiver's record it holds as bad
+        (422): a bad record, not a failing store, so a failover chain does not move on."""
+        r = self._req("GET", OBJECT_ROUTE + quote(key), limit=limit)
         if r.status == 404:
             raise KeyError(key)
+        if r.status in (413, 422):
+            if r.status == 413:
+                raise TooLarge(f"{key} (refused by the relay at {self.url}: {_error(r)})", -1, limit or 0)
+            raise RecordError(f"{key}: refused by the relay at {self.url} as a bad record: {_error(r)}")
         data = r.data
         want = r.headers.get(CHECKSUM_HEADER.lower())
         if want is None or xxhash.xxh3_64_hexdigest(data) != want:
@@ -317,8 +338,8 @@ class FailoverStore:
                     print(f"nemo-dcr: {exc}; re-attaching to {getattr(self.stores[i + 1], 'url', '?')}",
                           file=sys.stderr, flush=True)
 
-    def get(self, key):
-        return self._call("get", key)
+    def get(self, key, limit=None):
+        return self._call("get", key, limit)
 
     def exists(self, key):
         return self._call("exists", key)

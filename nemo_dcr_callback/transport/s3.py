@@ -30,6 +30,7 @@ from botocore.config import Config
 
 from nemo_dcr_callback.protocol.keys import is_history
 from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
+from nemo_dcr_callback.safe_io import TooLarge
 from nemo_dcr_callback.transport.sigv4 import SigV4Client
 
 # After a plain signed request got no answer or a server error (and boto3 then succeeded),
@@ -227,12 +228,13 @@ class S3Store:
         except self._errors.BotoCoreError as exc:
             raise self._fail("conditional put", key, exc) from None
 
-    def get(self, key: str) -> bytes:
-        """The object's bytes. botocore retries failed requests; a body that breaks off or fails
-        its checksum after the response began is fetched again here (with backoff)."""
-        return self._read(key, lambda body: body.read())
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; safe_io.TooLarge, by its Content-Length and unread, for one over
+        `limit` bytes. botocore retries failed requests; a body that breaks off or fails its
+        checksum after the response began is fetched again here (with backoff)."""
+        return self._read(key, lambda body: body.read(), limit)
 
-    def get_pieces(self, key: str, sink, piece_bytes: int = 1 << 16) -> None:
+    def get_pieces(self, key: str, sink, piece_bytes: int = 1 << 16, limit: int | None = None) -> None:
         """The object's bytes handed to sink.feed() as they arrive (a receiver decodes a part's
         chunks while the rest is on the link); a body that breaks off or fails its checksum is
         fetched again from the start after sink.reset() (with backoff)."""
@@ -242,15 +244,20 @@ class S3Store:
             for piece in body.iter_chunks(piece_bytes):
                 sink.feed(piece)
 
-        self._read(key, consume)
+        self._read(key, consume, limit)
 
-    def _read(self, key: str, consume):
+    def _read(self, key: str, consume, limit: int | None = None):
         e = self._errors
         broken = (e.IncompleteReadError, e.ResponseStreamingError, e.FlexibleChecksumError, e.ReadTimeoutError,
                   e.ConnectionClosedError)
         for attempt in range(self.max_attempts):
             try:
-                return consume(self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"])
+                got = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+                size = got.get("ContentLength")
+                if limit is not None and (size is None or size > limit):
+                    got["Body"].close()  # (the connection goes, the body unread)
+                    raise TooLarge(key, -1 if size is None else size, limit)
+                return consume(got["Body"])
             except e.ClientError as exc:
                 if self._code(exc) in ("NoSuchKey", "404", "NotFound"):
                     raise KeyError(key) from None

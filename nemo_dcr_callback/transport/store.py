@@ -10,127 +10,200 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import tempfile
+import stat
 from pathlib import Path
 from urllib.parse import urlparse
 
+from nemo_dcr_callback import safe_io
 from nemo_dcr_callback.protocol import keys
 from nemo_dcr_callback.protocol.store import StoreError, put_once, redact
 from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 
 
 class FileStore:
+    """file:// store. Every access goes down from the root on descriptors, refusing a link at
+    any component (safe_io): a party that may write into the store (receivers write
+    registrations and acks) cannot make a reader (a relay serving this store) open what a
+    link points at, not even by swapping a file for a link between a check and the open."""
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.url = "file://" + str(self.root.resolve())
 
     def _path(self, key: str) -> Path:
-        if key.startswith("/") or ".." in key.split("/"):
+        if key.startswith("/") or ".." in key.split("/") or "\0" in key:
             raise ValueError(f"bad key {key!r}")
         return self.root / key
 
-    def _inside(self, p: Path) -> bool:
-        """Does p, with every symlink followed, stay inside the store? A link placed in the
-        store must not let a reader (a relay serving this store) read any file it points at,
-        nor gc delete what it points at: such links are no objects, listed or served."""
-        real = os.path.realpath(p)
-        return real == self._real or real.startswith(self._real + os.sep)
+    @staticmethod
+    def _split(key: str) -> tuple[str, str]:
+        d, _, name = key.rpartition("/")
+        return d, name
 
-    @property
-    def _real(self) -> str:
-        return os.path.realpath(self.root)
-
-    def _staged(self, key: str, data: bytes, durable: bool) -> tuple[Path, str]:
-        """Write data to a temporary file next to the key's path (fsynced if durable)."""
-        p = self._path(key)
-        # A linked folder on the way: writes stay in the store, as reads do (checked on the
-        # nearest folder that exists before any is made, then on the one written into).
-        have = p.parent
-        while not have.exists() and have != self.root and have.parent != have:
-            have = have.parent
-        if not self._inside(have):
-            raise StoreError(f"{key}: its folder is a link leading out of the store {redact(self.url)}: not written")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if not self._inside(p.parent):
-            raise StoreError(f"{key}: its folder is a link leading out of the store {redact(self.url)}: not written")
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".part", dir=p.parent)
+    def _open(self, key: str) -> int | None:
+        """A read descriptor of the object, or None where the key is no object here (absent, a
+        folder, a link anywhere on its path, not a regular file)."""
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+            self._path(key)
+            return safe_io.open_file(self.root, key)
+        except ValueError:  # a key no object can have (a NUL, "..")
+            return None
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, safe_io.LinkRefused):
+            return None
+        except OSError as exc:
+            raise StoreError(f"{key}: cannot be read in {redact(self.url)} ({exc.strerror or exc})") from None
+
+    def _folder(self, key: str) -> int:
+        """A descriptor of the key's folder, made where missing, no link followed."""
+        self._path(key)
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            return safe_io.open_dir(self.root, self._split(key)[0], create=True)
+        except (safe_io.LinkRefused, FileExistsError, NotADirectoryError):
+            raise StoreError(f"{key}: a folder on its way is a link or a file (a link leading out of the store "
+                             f"{redact(self.url)} is never written through): not written") from None
+
+    def _staged(self, key: str, data: bytes, durable: bool) -> tuple[int, str, str]:
+        """Write data to a new temporary file next to the key (fsynced if durable): (folder
+        descriptor, the key's name, the temporary name). The caller closes the descriptor."""
+        dfd = self._folder(key)
+        try:
+            return dfd, self._split(key)[1], safe_io.write_temp(dfd, self._split(key)[1], lambda f: f.write(data),
+                                                                durable)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            os.close(dfd)
             raise
-        return p, tmp
 
     def put(self, key: str, data: bytes, durable: bool = True) -> None:
         """Atomic put; durable also fsyncs (commit records need it, re-creatable data need not).
         History objects (keys.is_history) are created once (put_once)."""
         if keys.is_history(key):
             return put_once(self, key, data, durable=durable)
-        p, tmp = self._staged(key, data, durable)
+        dfd, name, tmp = self._staged(key, data, durable)
         try:
-            os.replace(tmp, p)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            safe_io.unlink_at(dfd, tmp)
             raise
+        finally:
+            os.close(dfd)
 
     def put_if_absent(self, key: str, data: bytes, durable: bool = True) -> bool:
         """Write only if the key does not exist; True if this call created it."""
-        p, tmp = self._staged(key, data, durable)
+        dfd, name, tmp = self._staged(key, data, durable)
         try:
-            os.link(tmp, p)  # atomic, fails if p exists
+            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)  # fails if it exists
             return True
         except FileExistsError:
             return False
         finally:
-            Path(tmp).unlink(missing_ok=True)
+            safe_io.unlink_at(dfd, tmp)
+            os.close(dfd)
 
-    def get(self, key: str) -> bytes:
-        """The object's bytes; KeyError for a key that is no object here (absent, a folder, or
-        a link leading out of the store)."""
-        p = self._path(key)
-        try:
-            if not self._inside(p):
-                raise KeyError(key)
-            return p.read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise KeyError(key) from None
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes; KeyError for a key that is no object here (absent, a folder, a
+        link); safe_io.TooLarge, by its size and unread, for one over `limit` bytes."""
+        fd = self._open(key)
+        if fd is None:
+            raise KeyError(key)
+        return safe_io.read_fd(fd, key, limit)
 
     def exists(self, key: str) -> bool:
-        p = self._path(key)
-        return p.is_file() and self._inside(p)
+        fd = self._open(key)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
 
     def delete(self, keys: list[str]) -> None:
         for k in keys:
-            self._path(k).unlink(missing_ok=True)
+            self._path(k)
+            d, name = self._split(k)
+            try:
+                dfd = safe_io.open_dir(self.root, d)
+            except (FileNotFoundError, NotADirectoryError, safe_io.LinkRefused):
+                continue  # nothing of the store's there
+            try:
+                safe_io.unlink_at(dfd, name)
+            finally:
+                os.close(dfd)
 
     def delete_prefix(self, prefix: str) -> list[str]:
-        """Delete every object under prefix, and the emptied directories."""
-        keys = self.list(prefix)
-        p = self._path(prefix.rstrip("/"))
-        if p.is_symlink():  # the store's entry goes, never what it points at
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)  # (does not follow links inside: they are unlinked)
-        return keys
+        """Delete every object under prefix, and the emptied directories; a link there goes as
+        the link alone (never what it points at)."""
+        found = self.list(prefix)
+        d, name = self._split(prefix.rstrip("/"))
+        if not name:
+            return found
+        try:
+            dfd = safe_io.open_dir(self.root, d)
+        except (FileNotFoundError, NotADirectoryError, safe_io.LinkRefused):
+            return found
+        try:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return found
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=dfd)  # (descriptor-based: links inside are unlinked, not followed)
+            elif stat.S_ISLNK(st.st_mode):
+                safe_io.unlink_at(dfd, name)
+        finally:
+            os.close(dfd)
+        return found
+
+    def _entries(self, prefix: str):
+        """(descriptor of prefix's folder, its entries), or None if it is no folder of the store."""
+        try:
+            fd = safe_io.open_dir(self.root, prefix.rstrip("/"))
+        except (FileNotFoundError, NotADirectoryError, safe_io.LinkRefused, ValueError):
+            return None
+        return fd
 
     def children(self, prefix: str) -> list[str]:
-        """Names directly under prefix (one level, like an S3 listing with a delimiter)."""
-        base = self._path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir() or not self._inside(base):
+        """Names directly under prefix (one level, like an S3 listing with a delimiter); links
+        are no objects and not shown."""
+        fd = self._entries(prefix)
+        if fd is None:
             return []
-        return sorted(p.name for p in base.iterdir()
-                      if not p.name.endswith(".part") and (not p.is_symlink() or self._inside(p)))
+        try:
+            with os.scandir(fd) as it:
+                return sorted(e.name for e in it if not e.name.endswith(".part") and not e.name.endswith(".tmp")
+                              and not e.is_symlink())
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str) -> list[str]:
-        base = self._path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir() or not self._inside(base):
+        """Every object (regular file) under prefix, walked on descriptors without following links."""
+        base = prefix.rstrip("/")
+        fd = self._entries(base)
+        if fd is None:
             return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
-                      if p.is_file() and not p.name.endswith(".part") and (not p.is_symlink() or self._inside(p)))
+        out: list[str] = []
+
+        def walk(dfd: int, rel: str) -> None:
+            with os.scandir(dfd) as it:
+                entries = list(it)
+            for e in entries:
+                key = f"{rel}/{e.name}" if rel else e.name
+                if e.is_file(follow_symlinks=False):
+                    if not e.name.endswith((".part", ".tmp")):
+                        out.append(key)
+                elif e.is_dir(follow_symlinks=False):
+                    try:
+                        sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                    except OSError:
+                        continue  # gone or swapped for a link since the scan
+                    try:
+                        walk(sub, key)
+                    finally:
+                        os.close(sub)
+
+        try:
+            walk(fd, base)
+        finally:
+            os.close(fd)
+        return sorted(out)
 
 
 def freeze_long_lived() -> None:

@@ -29,6 +29,14 @@ def ack_body(v: int, receiver: str, ok: bool = True) -> bytes:
                        "time": 1.0}).encode()
 
 
+def version_folder(store, v: int) -> None:
+    """Give version v a folder in the origin (its record): a relay takes acks only for
+    versions that exist, as a receiver acks only a version it read."""
+    store.put(f"versions/{v:010d}/VERSION.json", json.dumps({
+        "version": v, "base": v - 1, "world": 1, "ranks": [], "bytes": 0, "params": 0, "changed": 0,
+        "digests": {}, "time": 1.0}).encode())
+
+
 class RelayProc:
     """A `nemo-dcr relay` process; .url once it listens."""
 
@@ -100,8 +108,8 @@ class Counting:
         self.store, self.got = store, {}
         self.lock = threading.Lock()
 
-    def get(self, key):
-        data = self.store.get(key)
+    def get(self, key, limit=None):
+        data = self.store.get(key, limit=limit)
         with self.lock:
             self.got[key] = self.got.get(key, 0) + 1
         return data

@@ -42,9 +42,9 @@ class CountingStore(FileStore):
         super().__init__(root)
         self.calls: list[tuple[str, str]] = []
 
-    def get(self, key):
+    def get(self, key, limit=None):
         self.calls.append(("get", key))
-        return super().get(key)
+        return super().get(key, limit=limit)
 
     def list(self, prefix):
         self.calls.append(("list", prefix))

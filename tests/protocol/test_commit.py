@@ -150,10 +150,10 @@ def test_ranks_off_the_refit_path_look_for_the_decision_less_and_less_often(tmp_
         def __init__(self, store):
             self.store, self.n = store, 0
 
-        def get(self, key):
+        def get(self, key, limit=None):
             if key == commit.decision_key(1):
                 self.n += 1
-            return self.store.get(key)
+            return self.store.get(key, limit=limit)
 
         def __getattr__(self, name):
             return getattr(self.store, name)

@@ -147,9 +147,9 @@ class _SlowPooledStore(FileStore):
     def executor(self):
         return self._pool
 
-    def get(self, key):
+    def get(self, key, limit=None):
         if not key.endswith(".dcr"):
-            return super().get(key)
+            return super().get(key, limit=limit)
 
         with self._lock:
             self.started.append(key)

@@ -52,7 +52,7 @@ def test_readers_ignore_junk_version_folders(tmp_path):
 
 def test_the_relay_refuses_junk_version_folders_with_400(tmp_path):
     origin = tmp_path / "origin"
-    FileStore(origin)
+    FileStore(origin).put("versions/0000000001/VERSION.json", b"{}")
     p, url = start_relay(origin, {"NEMO_DCR_RELAY_TOKEN": PUB, "NEMO_DCR_RELAY_RECEIVER_TOKEN": RECV})
     try:
         assert p.poll() is None, url

@@ -26,7 +26,7 @@ def test_a_kept_alive_connection_the_relay_closed_is_replaced(tmp_path):
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
 
     origin = FileStore(tmp_path / "origin")
-    origin.put("a/x", b"first")
+    origin.put("keyframe/0000000001/model.safetensors", b"first")
     client = ThreadPoolExecutor(1)
 
     async def main():
@@ -34,14 +34,14 @@ def test_a_kept_alive_connection_the_relay_closed_is_replaced(tmp_path):
         relay = Relay(origin, RelayConfig(token=TOKEN, prefetch=False))
         await relay.start()
         store = RelayStore(f"relay://127.0.0.1:{relay.port}", token=TOKEN)
-        got = [await run(client, store.get, "a/x")]
+        got = [await run(client, store.get, "keyframe/0000000001/model.safetensors")]
         port = relay.port
         await relay.stop()
-        origin.put("a/y", b"second")
+        origin.put("keyframe/0000000002/model.safetensors", b"second")
         relay = Relay(origin, RelayConfig(token=TOKEN, port=port, prefetch=False))
         await relay.start()
         try:
-            got.append(await run(client, store.get, "a/y"))
+            got.append(await run(client, store.get, "keyframe/0000000002/model.safetensors"))
         finally:
             await relay.stop()
         return got

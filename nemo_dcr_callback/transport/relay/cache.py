@@ -12,7 +12,8 @@ from pathlib import Path
 import xxhash
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.protocol import keys
+from nemo_dcr_callback.protocol import keys, records
+from nemo_dcr_callback.safe_io import TooLarge
 
 
 class Cache:
@@ -75,6 +76,12 @@ class VerifyError(Exception):
     pass
 
 
+class BadRecord(VerifyError):
+    """A receiver's record in the parent that is not the record its key names (too large, not
+    JSON, out of range): answered 422 with the reason, so readers skip it as a bad record
+    (a 5xx made them take the relay for a failing store, and training stopped)."""
+
+
 def verify_object(key: str, data: bytes, manifest_parts: dict[str, dict]) -> None:
     """Check an object before it is cached or forwarded; raise VerifyError naming the problem."""
     if keys.is_part(key):
@@ -86,11 +93,29 @@ def verify_object(key: str, data: bytes, manifest_parts: dict[str, dict]) -> Non
         ref = manifest_parts.get(key)
         if ref is not None and (len(data) != ref["bytes"] or xxhash.xxh3_64_hexdigest(data) != ref["checksum"]):
             raise VerifyError(f"{key}: does not match its rank manifest")
+    elif (own := keys.receiver_record(key)) is not None:
+        bad = receiver_record_error(own, key, data)
+        if bad:
+            raise BadRecord(bad)
     elif key.endswith(".json"):
         try:
-            json.loads(data)
-        except ValueError as exc:
-            raise VerifyError(f"{key}: not valid JSON ({exc})") from None
+            records.parse(key, data)
+        except records.RecordError as exc:
+            raise VerifyError(str(exc)) from None
+
+
+def receiver_record_error(own: tuple[str, str, int | None], key: str, data: bytes) -> str | None:
+    """Why a registration or ack is refused (None: it is the record its key names)."""
+    kind, receiver, version = own
+    if len(data) > records.RECEIVER_RECORD_MAX:
+        return f"{key}: {len(data)} bytes, more than a {kind} may have ({records.RECEIVER_RECORD_MAX})"
+    try:
+        obj = records.check(kind, key, records.parse(key, data))
+    except records.RecordError as exc:
+        return str(exc)
+    if obj["receiver"] != receiver or (version is not None and obj["version"] != version):
+        return f"{key}: the {kind} names receiver {obj['receiver']!r}, version {obj['version']}"
+    return None
 
 
 def name_in(op: str, prefix: str, key: str) -> str | None:
@@ -193,7 +218,10 @@ class StoreSide:
             self._trace({**rec, "ms": round(1e3 * (time.perf_counter() - t0), 3)})
 
     async def fetch(self, key: str) -> tuple[bytes, str] | None:
-        """The verified object (bytes, xxh3), from the cache or fetched once; None if absent."""
+        """The verified object (bytes, xxh3), from the cache or fetched once; None if absent or
+        not an object of the protocol (keys.kind: nothing else in the parent is served)."""
+        if keys.kind(key) is None:
+            return None
         hit = self.cache.get(key)
         if hit is not None:
             self.stats["hits"] += 1
@@ -218,11 +246,17 @@ class StoreSide:
         return await single_flight(self.inflight, key, lambda: self._fetch_upstream(key))
 
     async def _fetch_upstream(self, key: str) -> tuple[bytes, str] | None:
+        kind = keys.kind(key)
         try:
-            data = await self._up(self.parent.get, key)
+            data = await self._up(self.parent.get, key, self.cfg.max_bytes(kind))
         except KeyError:
             self.missing[key] = time.monotonic()
             return None
+        except (TooLarge, records.RecordError) as exc:
+            self.stats["rejected"] += 1
+            if kind in ("registration", "ack"):
+                raise BadRecord(str(exc)) from None  # (a receiver's record: a bad one, skipped by readers)
+            raise
         except OSError:
             self.stats["upstream_errors"] += 1
             raise
@@ -323,10 +357,7 @@ class StoreSide:
     def _listed(self, key: str) -> None:
         """Add a key written through this relay to the cached listings that cover it (and note
         when, for listings still on their way from the parent)."""
-        now = time.monotonic()
-        self.put_at[key] = now
-        if len(self.put_at) > 4096:  # only the last seconds matter
-            self.put_at = {k: at for k, at in self.put_at.items() if now - at < 60.0}
+        self.put_at[key] = time.monotonic()  # (Bounded: only the last seconds matter)
         self._add_listed(key)
 
     def _add_listed(self, key: str) -> None:
@@ -358,7 +389,4 @@ class StoreSide:
 
     def _passed(self, key: str, data: bytes) -> None:
         """Keep a mutable object just written through this relay (served for passed_ttl_s)."""
-        now = time.monotonic()
-        if len(self.passed) > 4096:
-            self.passed = {k: p for k, p in self.passed.items() if now - p[0] < self.cfg.passed_ttl_s}
-        self.passed[key] = (now, data, xxhash.xxh3_64_hexdigest(data))
+        self.passed[key] = (time.monotonic(), data, xxhash.xxh3_64_hexdigest(data))  # (Bounded)

@@ -19,12 +19,18 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from nemo_dcr_callback import faults
+from nemo_dcr_callback.bounded import Bounded
 from nemo_dcr_callback.transport.relay.cache import Cache, StoreSide
 from nemo_dcr_callback.transport.relay.config import RelayConfig
 from nemo_dcr_callback.transport.relay.handlers import HttpSide, UploadBudget
 from nemo_dcr_callback.transport.relay.watcher import Watcher
 from nemo_dcr_callback.transport.relay.wire import TOKEN_ENV
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
+
+# Entries of each table a peer's requests can grow (missing keys, listings, keys and records
+# written through): a version's keys and a fleet's records fit many times over.
+TABLE_ENTRIES = 4096
+MANIFEST_PARTS = 1 << 16  # parts learnt from rank manifests (checked against on arrival)
 
 
 class Relay(HttpSide, StoreSide):
@@ -38,15 +44,17 @@ class Relay(HttpSide, StoreSide):
         # immutable objects being written through this relay (passed up, not yet held): the
         # watcher must not pull them from the parent in between, nor a GET fetch them there
         self.writing: dict[str, asyncio.Event] = {}
-        self.missing: dict[str, float] = {}  # key -> time it was last seen absent upstream
-        self.lists: dict[tuple[str, str], tuple[float, list[str]]] = {}
+        # Tables keyed by what peers ask for or write are Bounded (docs/SECURITY.md): made-up
+        # keys and prefixes only push out the oldest entries, which are refetched if needed.
+        self.missing: Bounded[str, float] = Bounded(TABLE_ENTRIES)  # key -> when last seen absent upstream
+        self.lists: Bounded[tuple[str, str], tuple[float, list[str]]] = Bounded(TABLE_ENTRIES)
         self.list_inflight: dict[tuple[str, str], asyncio.Future] = {}
-        self.put_at: dict[str, float] = {}  # keys written through this relay -> when
+        self.put_at: Bounded[str, float] = Bounded(TABLE_ENTRIES)  # keys written through this relay -> when
         # mutable objects (acks, registrations) written through this relay: (when, bytes, xxh3)
-        self.passed: dict[str, tuple[float, bytes, str]] = {}
+        self.passed: Bounded[str, tuple[float, bytes, str]] = Bounded(TABLE_ENTRIES)
         self.immutable_put_at = -1e9  # when a sender last wrote through this relay
         self.new_at = time.monotonic()  # when a listing of the parent last showed something new
-        self.manifest_parts: dict[str, dict] = {}
+        self.manifest_parts: Bounded[str, dict] = Bounded(MANIFEST_PARTS)
         self.done_versions: set[str] = set()
         self.watched_dirs: set[str] = set()
         self.watch_alive = 0.0

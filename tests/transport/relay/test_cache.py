@@ -18,6 +18,7 @@ from nemo_dcr_callback.transport.store import FileStore
 from tests.helpers.relay import (
     TOKEN,
     ack_body,
+    version_folder,
 )
 from tests.helpers.tensors import perturb, random_tensor
 
@@ -33,15 +34,16 @@ def test_an_ack_written_through_a_relay_is_read_back_without_asking_the_parent(t
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
 
     origin = FileStore(tmp_path / "origin")
+    version_folder(origin, 1)
     key = "versions/0000000001/acks/rx-0.json"
     gets: list[str] = []
 
     class Counting:
         url = origin.url
 
-        def get(self, k):
+        def get(self, k, limit=None):
             gets.append(k)
-            return origin.get(k)
+            return origin.get(k, limit=limit)
 
         def __getattr__(self, name):
             return getattr(origin, name)
@@ -84,6 +86,7 @@ def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_pa
     from nemo_dcr_callback.transport.relay import Relay, RelayConfig
 
     origin = FileStore(tmp_path / "origin")
+    version_folder(origin, 1)
     good, bad = commit.ack_key(1, "rx-0"), commit.ack_key(1, "rx-1")
 
     class SlowAcks:
@@ -105,6 +108,7 @@ def test_an_ack_is_announced_while_passed_up_and_taken_back_if_that_fails(tmp_pa
             url = f"relay://127.0.0.1:{relay.port}"
             committer, writer = RelayStore(url, token=TOKEN), RelayStore(url, token=TOKEN)
             run = asyncio.get_running_loop().run_in_executor
+            await run(None, committer.children, "versions")  # (the version is known here before its acks)
             gen = await run(None, committer.wait, 0, 0.01)
             t0 = time.monotonic()
             put = run(None, writer.put, good, ack_body(1, "rx-0"))

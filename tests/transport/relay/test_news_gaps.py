@@ -18,7 +18,7 @@ from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.receiver import Follower
 from nemo_dcr_callback.transport.relay_store import FailoverStore, RelayStore
 from nemo_dcr_callback.transport.store import FileStore
-from tests.helpers.relay import TOKEN, ack_body, relay_states, write_ranks
+from tests.helpers.relay import TOKEN, ack_body, relay_states, version_folder, write_ranks
 from tests.helpers.tensors import same_bits
 
 
@@ -39,6 +39,7 @@ def _holds_parts(url: str, origin: FileStore, v: int) -> None:
 
 def test_a_token_of_the_relay_before_a_failover_means_nothing_after_it(tmp_path, relays):
     origin = FileStore(tmp_path / "origin")
+    version_folder(origin, 7)
     a, b = relays(origin.url, "a"), relays(origin.url, "b")
     chain = FailoverStore([RelayStore(a.url, token=TOKEN), RelayStore(b.url, token=TOKEN)], quiet=True)
     _run_ahead(RelayStore(a.url, token=TOKEN))
@@ -63,6 +64,7 @@ def _free_port() -> int:
 
 def test_a_token_of_a_relay_restarted_at_the_same_address_is_not_trusted(tmp_path, relays):
     origin = FileStore(tmp_path / "origin")
+    version_folder(origin, 7)
     port = str(_free_port())
     first = relays(origin.url, "r", extra=("--listen", f"127.0.0.1:{port}"))
     st = RelayStore(first.url, token=TOKEN)
@@ -88,10 +90,10 @@ class _Gated:
     def __init__(self, store: RelayStore):
         self.store, self.gate = store, threading.Event()
 
-    def get(self, key):
+    def get(self, key, limit=None):
         if key.endswith(".dcr"):
             assert self.gate.wait(60)
-        return self.store.get(key)
+        return self.store.get(key, limit=limit)
 
     def __getattr__(self, name):
         if name == "get_pieces":  # (fetch_part streams where it can: keep it on get, at the gate)

@@ -24,6 +24,7 @@ from tests.helpers.relay import (
     relay_states,
     seal_and_commit,
     start_followers,
+    version_folder,
     write_ranks,
 )
 from tests.helpers.tensors import same_bits
@@ -167,9 +168,11 @@ def test_receivers_long_poll_wakes_on_data_not_on_acks(tmp_path, relays):
     import time
 
     origin = FileStore(tmp_path / "origin")
+    version_folder(origin, 1)
     r = relays(origin.url, "root")
     store = RelayStore(r.url, token=TOKEN)
-    gen = store.wait(0, 0.01)
+    store.children("versions")
+    gen = store.wait(0, 0.5)
     store.put(commit.ack_key(1, "worker-3"), ack_body(1, "worker-3"))  # an ack written through the relay
     commit.register(store, "worker-4", 1)  # and a registration
     t0 = time.monotonic()

@@ -168,11 +168,11 @@ def test_a_record_is_pulled_at_once_not_queued_behind_the_parts(tmp_path):
     class SlowParts:
         url = origin.url
 
-        def get(self, key):
+        def get(self, key, limit=None):
             if key.endswith(".dcr"):
                 asked.append(key)
                 time.sleep(0.4)
-            return origin.get(key)
+            return origin.get(key, limit=limit)
 
         def __getattr__(self, name):
             return getattr(origin, name)
