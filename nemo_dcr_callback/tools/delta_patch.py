@@ -33,6 +33,7 @@ def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest, r
     if rec["mode"] == "xor":
         target = base.tensor(name).contiguous().clone().reshape(-1)
     else:
+        _check_whole(dfile, rec)
         target = torch.zeros(rec["numel"], dtype=info.torch)
     def base_of(h: codec.ChunkHeader) -> torch.Tensor:
         """BASE's bits of a tensor a context-coded chunk holds (its header passed `check`)."""
@@ -60,6 +61,26 @@ def _rebuild_tensor(base: Checkpoint, dfile: DeltaFile, rec: dict, new_digest, r
             codec.apply_decoded(d, target)
     new_digest.update(bytes.fromhex(codec.tensor_digest(target)))
     return bits(target)
+
+
+def _check_whole(dfile: DeltaFile, rec: dict) -> None:
+    """A tensor sent whole is allocated at its full size: its chunks must cover it back to
+    back before that (a tiny delta claiming a huge tensor and no chunks had it allocated and
+    written out before the digest refused it, issue 66). Its chunks are read twice then: such
+    tensors are new ones or of a new shape or dtype, a small part of a delta."""
+    name, numel, covered = rec["name"], rec["numel"], 0
+    info = codec.dtype_info(rec["dtype"])
+    for index, span in rec["chunks"]:
+        h = dfile.header(index, span)
+        if (h.batched or h.name != name or h.kind != codec.Kind.OVERWRITE or h.dtype.torch != info.torch
+                or h.numel != numel or h.lo != covered or h.count != h.hi - h.lo):
+            raise DeltaError(f"tensor {name!r} is sent whole, but chunk {index} is not the next dense part of it "
+                             f"({h.name!r}, {h.kind.name} {h.dtype.name}, [{h.lo}, {h.hi}) of {h.numel} elements, "
+                             f"{h.count} changes; expected from {covered} of {numel})")
+        covered = h.hi
+    if covered != numel:
+        raise DeltaError(f"tensor {name!r} is sent whole, but its chunks cover {covered} of its {numel} elements: "
+                         "refused before allocating it (corrupt or crafted delta)")
 
 
 def _within(p: Path, folder: Path) -> bool:

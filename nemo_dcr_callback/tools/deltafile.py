@@ -370,6 +370,13 @@ class DeltaFile:
             raise DeltaError(f"{self.path}: truncated chunk")
         return data
 
+    def header(self, index: int, span: list[int]) -> codec.ChunkHeader:
+        """Chunk `index`'s verified header (the chunk is read whole: its checksum covers it)."""
+        try:
+            return codec.parse_header(self.read(span))
+        except codec.ChunkError as exc:
+            raise DeltaError(f"{self.path}: chunk {index}: {exc}") from None
+
     def parts_for(self, index: int, span: list[int], name: str, old=None,
                   check: Callable[[codec.ChunkHeader], None] | None = None) -> list[codec.DecodedChunk]:
         """Tensor `name`'s changes in chunk `index`: verified, decoded, checked to be this
