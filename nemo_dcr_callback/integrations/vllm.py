@@ -23,11 +23,8 @@ On CPU, vLLM repacks every linear weight for its GEMM kernels and drops the weig
 worker before the model loads) makes it keep the weights; after an apply the layers whose
 weights changed are repacked (`repack_s`). Arguments may come as strings (/collective_rpc's).
 
-Served through HTTP (`nemo-dcr receive --vllm`: integrations/vllm_serve.py), anyone who reaches
-the dev-mode port can call these methods, so the server pins them: with NEMO_DCR_VLLM_STORE
-set, `dcr_attach` takes only that store (any other needs the operator's
-NEMO_DCR_VLLM_ANY_STORE=1), and with NEMO_DCR_VLLM_MODEL_DIR set, `dcr_reload_dense` reads
-only that folder.
+Served through HTTP (VLLM_SERVER_DEV_MODE), anyone who reaches the dev-mode port can call these
+methods, so the store and folders they name are pinned (integrations/vllm_pins.py).
 """
 
 from __future__ import annotations
@@ -44,8 +41,16 @@ from safetensors.torch import load, load_file
 from nemo_dcr_callback import codec
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.codec.checkpoint import Checkpoint
-from nemo_dcr_callback.integrations.vllm_serve import ANY_STORE_ENV, EXT, SERVED_DIR_ENV, STORE_DOWN, STORE_ENV
+from nemo_dcr_callback.integrations.vllm_pins import (  # noqa: F401 - re-exported: the checks' old home
+    _dev_mode,
+    check_model_dir,
+    check_reload_allowed,
+    check_store_allowed,
+    served_dir,
+)
+from nemo_dcr_callback.integrations.vllm_serve import EXT, SERVED_DIR_ENV, STORE_DOWN
 from nemo_dcr_callback.protocol import commit
+from nemo_dcr_callback.protocol.records import read_limit
 from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver.background import BackgroundFollower
 from nemo_dcr_callback.receiver.targets.loader import LoaderTarget
@@ -53,21 +58,6 @@ from nemo_dcr_callback.transport.store import open_store
 
 _KEEP = "_dcr_keeps_cpu_weights"
 BACKEND = "dcr"  # the name of the weight-transfer backend (integrations/vllm_transfer.py)
-
-
-def check_store_allowed(store_url: str) -> None:
-    """Refuse a store other than the one the server was started for (PermissionError)."""
-    pinned = os.environ.get(STORE_ENV)
-    if pinned is not None and store_url != pinned and os.environ.get(ANY_STORE_ENV) != "1":
-        raise PermissionError(f"dcr: this engine follows only the store it was started for ({STORE_ENV}); another "
-                              f"store needs the operator's {ANY_STORE_ENV}=1")
-
-
-def check_reload_allowed(model_dir: str) -> None:
-    """Refuse a dense reload from any folder but the served model's (PermissionError)."""
-    served = os.environ.get(SERVED_DIR_ENV)
-    if served is not None and Path(model_dir).resolve() != Path(served):
-        raise PermissionError("dcr_reload_dense: this engine reloads only the folder it serves")
 
 
 def _follows_dcr() -> bool:
@@ -427,7 +417,7 @@ class EngineWeights:
         if not self.store.exists(key := commit.verify_key(version)):
             raise FileNotFoundError(f"{self.store.url} has no dense export of version {version} ({key}): the "
                                     "trainer writes them with dcr.verify=true")
-        return {"version": version, **self.target.compare(load(self.store.get(key)))}
+        return {"version": version, **self.target.compare(load(self.store.get(key, limit=read_limit(key))))}
 
     def repack(self, names: set[str] | None) -> float:
         """CPU only: rebuild the packed GEMM weights of the layers the apply wrote (names: the
@@ -458,6 +448,11 @@ def _linear_layers(model) -> dict[int, torch.nn.Module]:
             for p in [m.weight]}
 
 
+def _served_model(worker) -> str | None:
+    """A worker's model, read only where NEMO_DCR_VLLM_MODEL_DIR does not name the folder."""
+    return None if os.environ.get(SERVED_DIR_ENV) is not None else worker.model_runner.model_config.model
+
+
 class DCRWorkerExtension:
     """Methods vLLM adds to its Worker (self.model_runner.model is the live model)."""
 
@@ -476,6 +471,7 @@ class DCRWorkerExtension:
         EngineWeights.attach). A relay's token is read from NEMO_DCR_RELAY_TOKEN in the
         engine's environment, never passed."""
         check_store_allowed(store_url)  # before anything changes: the engine goes on as it was
+        model_dir = check_model_dir(model_dir, _served_model(self)) if model_dir else None
         try:
             return self._dcr_weights(model_dir).attach(store_url, receiver_id, int(version), float(idle_poll_s))
         except StoreError as exc:  # named, so that a caller can tell it from a refusal and retry
@@ -497,7 +493,7 @@ class DCRWorkerExtension:
 
     def dcr_reload_dense(self, model_dir: str, version: int | str) -> dict:
         """EngineWeights.reload_dense, from the served model's folder only."""
-        check_reload_allowed(model_dir)
+        check_reload_allowed(model_dir, _served_model(self) if _dev_mode() else None)
         w = getattr(self, "_dcr_w", None) or self._dcr_weights()
         return w.reload_dense(model_dir, int(version))
 

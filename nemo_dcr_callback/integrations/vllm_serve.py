@@ -12,10 +12,11 @@ The dev-mode endpoints have no authentication (vLLM's --api-key guards only /v1 
 /collective_rpc calls any worker method: whoever reaches the port could point the workers at
 another store (which then receives the fleet's relay token and serves its weights), reload
 any folder of the host or detach the engine. So the server binds to loopback only: another
---host, and --host or --port inside --vllm-args, are refused before anything starts (serve
-other hosts through a proxy that forwards /v1 only). The workers are pinned to the store
-given here (NEMO_DCR_VLLM_STORE; integrations/vllm.py refuses any other, unless the operator
-sets NEMO_DCR_VLLM_ANY_STORE=1) and reload dense weights only from the served model's folder.
+--host, and --host, --port, --uds or --config inside --vllm-args (under any prefix argparse
+would take, "--hos"), are refused before anything starts (serve other hosts through a proxy
+that forwards /v1 only). The workers are pinned to the store given here (NEMO_DCR_VLLM_STORE;
+integrations/vllm.py refuses any other, unless the operator sets NEMO_DCR_VLLM_ANY_STORE=1)
+and read model folders only from the served model's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,21 @@ ANY_STORE_ENV = "NEMO_DCR_VLLM_ANY_STORE"
 SERVED_DIR_ENV = "NEMO_DCR_VLLM_MODEL_DIR"
 # dcr_attach's error when the store failed it (over HTTP an error is text): run retries those
 STORE_DOWN = "nemo-dcr: store unavailable"
-_BIND_FLAGS = ("--host", "--port", "--uds")  # where vLLM listens: this command's --host and --port only
+# Where vLLM listens (this command's --host and --port only), and --config, whose YAML file
+# vLLM reads its options from (a bind among them). argparse takes any unambiguous prefix of a
+# long option ("--hos"), and vLLM's parser reads "_" as "-" and "--opt.key" as a part of
+# "--opt": every prefix of these in any of those spellings is refused.
+_BIND_FLAGS = ("--host", "--port", "--uds", "--config")
+
+
+def _bind_flag(arg: str) -> str | None:
+    """The bind flag that `arg` would set, under every spelling argparse or vLLM resolves."""
+    if not arg.startswith("--"):
+        return None
+    key = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-").lower()
+    if key == "--":  # (the end of options, not an option)
+        return None
+    return next((f for f in _BIND_FLAGS if f.startswith(key)), None)
 
 
 def check_bind(host: str, vllm_args: list[str]) -> None:
@@ -61,10 +76,11 @@ def check_bind(host: str, vllm_args: list[str]) -> None:
                          "have no authentication (vLLM's --api-key guards only /v1): it binds to loopback only. "
                          "Serve other hosts through a proxy that forwards /v1 alone")
     for a in vllm_args:
-        flag = a.split("=", 1)[0]
-        if flag in _BIND_FLAGS:
-            raise ServeError(f"--vllm-args may not set {flag}: where the server listens is this command's --host and "
-                             "--port (loopback only)")
+        flag = _bind_flag(a)
+        if flag is not None:
+            what = flag if a.split("=", 1)[0] == flag else f"{flag} (as {a.split('=', 1)[0]!r})"
+            raise ServeError(f"--vllm-args may not set {what}: where the server listens is this command's --host "
+                             "and --port (loopback only)" + (", and --config may set it" if flag == "--config" else ""))
 
 
 def _post(base: str, path: str, body: dict | None = None, timeout: float = 900.0) -> dict:

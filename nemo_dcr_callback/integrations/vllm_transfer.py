@@ -27,7 +27,11 @@ through any `VLLMWeightSyncClient` with pause/resume/reset (HTTPClient, RayClien
 LLMClient for an in-process `LLM`).
 
 As with the worker extension, a server that exposes these routes (VLLM_SERVER_DEV_MODE) lets
-whoever reaches the port choose the store: set NEMO_DCR_VLLM_STORE for the server to pin it.
+whoever reaches the port name the store, so `init_weight_transfer_engine` checks it first
+(integrations/vllm.py, check_store_allowed): with NEMO_DCR_VLLM_STORE set at start-up only
+that store; without it, no relay off this machine (the relay token would go to it); the
+operator's NEMO_DCR_VLLM_ANY_STORE=1 lifts both. `init_info.model_dir` must be the served
+model's folder (check_model_dir).
 """
 
 from __future__ import annotations
@@ -52,7 +56,13 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 
 from nemo_dcr_callback.config import CommitPolicy
-from nemo_dcr_callback.integrations.vllm import BACKEND, EngineWeights, check_store_allowed, tp_group
+from nemo_dcr_callback.integrations.vllm import (
+    BACKEND,
+    EngineWeights,
+    check_model_dir,
+    check_store_allowed,
+    tp_group,
+)
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.sender.named import NamedPublisher
 
@@ -95,7 +105,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
 
     def init_transfer_engine(self, init_info: DCRInitInfo) -> None:
         check_store_allowed(init_info.store)  # before anything changes: the engine goes on as it was
-        new = EngineWeights(self.model, init_info.model_dir or self.model_config.model, tp_group())
+        model_dir = check_model_dir(init_info.model_dir, self.model_config.model, "init_info.model_dir")
+        new = EngineWeights(self.model, model_dir, tp_group())
         new.attach(init_info.store, self.receiver_id(init_info.receiver_id), int(init_info.version),
                    float(init_info.idle_poll_s), strict=True)  # (refused: the store followed before, if any, stays)
         if self.weights is not None:

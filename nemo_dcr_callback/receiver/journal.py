@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from nemo_dcr_callback import codec, faults
+from nemo_dcr_callback import codec, faults, safe_io
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.core.bitops import scatter
 from nemo_dcr_callback.core.rawbits import OP_OVERWRITE, bits
@@ -41,14 +43,8 @@ class Journal:
         redo = sorted(self.dir.glob("redo-*.pt"))
         return (int(redo[-1].stem.split("-")[1]), redo[-1]) if redo else None
 
-    def _write(self, path: Path, write) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as f:
-            write(f)
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+    def _write(self, path: Path, write: Callable[[BinaryIO], None]) -> None:
+        safe_io.write_streamed(path, write, self.durable)
 
     def done(self, v: int) -> None:
         self._write(self.dir / "state.json", lambda f: f.write(json.dumps({"version": v}).encode()))

@@ -6,6 +6,7 @@ process per rank (torchrun / srun) and give Lightning a single-device strategy."
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import shutil
 import time
@@ -15,6 +16,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 
+from nemo_dcr_callback import safe_io
 from nemo_dcr_callback.recipes.megatron_model import (
     TinyGPTConfig,
     build_model,
@@ -182,12 +184,14 @@ class StepCheckpoints:
             return
         d = self.dir / f"step-{self.at:08d}"
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".rank-{self._rank()}.pt.tmp"
-        torch.save({"step": self.at, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, tmp)
-        os.replace(tmp, d / f"rank-{self._rank()}.pt")  # a rank killed mid-write leaves no torn file
+        buf = io.BytesIO()
+        torch.save({"step": self.at, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, buf)
+        # renamed into place: a rank killed mid-write leaves no torn file, and a link planted in
+        # the checkpoint folder is never written through
+        safe_io.write_whole(d / f"rank-{self._rank()}.pt", buf.getbuffer())
         if dist.is_initialized():
             dist.barrier()
         if self._rank() == 0:
-            (d / "done").touch()
+            safe_io.write_whole(d / "done", b"")
             for old in self.complete()[:-2]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_dcr_callback import safe_io
 from nemo_dcr_callback.launcher import kill_tree
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.recipes import rl_rollout, rl_train
@@ -97,7 +98,7 @@ def run(steps: int = 30, workdir: str | None = None, kill_at: int = 0, restart: 
                 raise RuntimeError(f"the rollout worker exited ({worker.returncode}): see {root / 'rollout.log'}")
             time.sleep(0.2)
     finally:
-        (rollouts / rl_rollout.STOP).write_text("")
+        safe_io.write_whole(rollouts / rl_rollout.STOP, b"")  # (never through a link planted there)
         if trainer.poll() is None:  # the ranks too: left running, they would go on writing the store
             _kill(trainer)
         try:

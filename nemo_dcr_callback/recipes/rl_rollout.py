@@ -19,11 +19,14 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
 
+from nemo_dcr_callback import safe_io
 from nemo_dcr_callback.protocol import commit, keys
+from nemo_dcr_callback.protocol.records import read_limit
 from nemo_dcr_callback.recipes import rl_task
 from nemo_dcr_callback.transport.store import open_store
 
@@ -39,22 +42,36 @@ def export_keyframe(store, out: Path, timeout: float = 600.0) -> Path:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{store.url} has no keyframe after {timeout:.0f} s: has the trainer started?")
         time.sleep(0.1)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / keys.CONFIG_FILE).write_bytes(store.get(keys.keyframe_config(0)))
-    (out / keys.MODEL_FILE).write_bytes(store.get(keys.keyframe_model(0)))
+    # (in the shared rollout folder: a link planted at the folder or its files is refused)
+    os.close(safe_io.open_dir(out.parent, out.name, create=True))
+    for name, key in ((keys.CONFIG_FILE, keys.keyframe_config(0)), (keys.MODEL_FILE, keys.keyframe_model(0))):
+        safe_io.write_whole(out / name, store.get(key, limit=read_limit(key)))
     return out
 
 
+_BATCH_NAME = re.compile(r"r-([0-9]{6})\.json")
+
+
 def _next_batch(folder: Path) -> int:
-    done = sorted(folder.glob("r-*.json"))
-    return int(done[-1].stem[2:]) + 1 if done else 0
+    done = [int(m.group(1)) for p in folder.iterdir() if (m := _BATCH_NAME.fullmatch(p.name))]
+    return max(done) + 1 if done else 0
+
+
+_said: set[str] = set()
 
 
 def taken(folder: Path) -> int:
-    """How many batches the trainer has taken (consumed or dropped): its queue's cursor."""
+    """How many batches the trainer has taken (consumed or dropped): its queue's cursor (0
+    before it wrote one, or while it is unreadable: a link, a folder, too large, not a number;
+    said once per reason)."""
     try:
-        return int((folder / rl_task.CURSOR).read_text())
-    except (FileNotFoundError, ValueError):
+        return rl_task.read_cursor(folder)
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as exc:
+        if str(exc) not in _said:
+            _said.add(str(exc))
+            rl_task.warn(f"the trainer's cursor is unreadable, taken as 0: {exc}")
         return 0
 
 
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     up = llm.collective_rpc("dcr_update", kwargs={"wait": True})[0]
     if up["refused"]:
         raise SystemExit(f"rl_rollout: version refused at start: {up['refused']}")
-    log = open(folder / LOG, "a")
+    log = rl_task.open_log(folder / LOG)
 
     def check(version: int) -> dict | None:
         if not a.check or version < 1:

@@ -50,7 +50,8 @@ def test_advantages_and_the_batch_the_trainer_takes():
 
 
 def _put(folder, i: int, version: int) -> None:
-    rl_task.batch_path(folder, i).write_text(json.dumps({"batch": i, "version": version, "episodes": []}))
+    ep = rl_task.first_turn(3, 7, rl_task.DIGIT0 + 3, version, group=0).to_json()
+    rl_task.batch_path(folder, i).write_text(json.dumps({"batch": i, "version": version, "episodes": [ep]}))
 
 
 def test_the_queue_drops_stale_batches_and_never_waits_forever(tmp_path, capsys):

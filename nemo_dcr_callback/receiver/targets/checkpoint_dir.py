@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_dcr_callback import codec, faults
+from nemo_dcr_callback import codec, faults, safe_io
 from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.codec.checkpoint import Checkpoint
 from nemo_dcr_callback.core.rawbits import OP_OVERWRITE
@@ -76,11 +76,9 @@ class CheckpointDirTarget:
         codec.check_target(h, self.tensor(h.name), h.name)
 
     def _write_state(self, version: int, pending: str | None, pending_version: int | None) -> None:
-        tmp = self.meta / "state.json.tmp"
-        tmp.write_text(json.dumps({"version": version, "pending": pending, "pending_version": pending_version}))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.meta / "state.json")
+        # (a link planted in the model directory is never written through: safe_io)
+        safe_io.write_whole(self.meta / "state.json", json.dumps({"version": version, "pending": pending,
+                                                                  "pending_version": pending_version}), durable=True)
 
     def apply(self, decoded: list[codec.DecodedChunk], version: int | None = None) -> None:
         self.apply_with_terms(decoded, version)
@@ -93,10 +91,7 @@ class CheckpointDirTarget:
             raise ValueError("CheckpointDirTarget.apply needs the version (for its redo log)")
         records = self._records(decoded)
         redo = f"redo-{version:010d}.pt"
-        with open(self.meta / redo, "wb") as f:
-            torch.save(records, f)
-            f.flush()
-            os.fsync(f.fileno())
+        safe_io.write_streamed(self.meta / redo, lambda f: torch.save(records, f), durable=True)
         self._write_state(self.version, redo, version)
         terms = self._overwrite(records)
         self._write_state(version, None, None)
