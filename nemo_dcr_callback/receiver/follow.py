@@ -12,6 +12,7 @@ deltas; one with nothing, or too far behind, starts from a keyframe (protocol/re
 
 from __future__ import annotations
 
+import errno
 import sys
 import threading
 import time
@@ -495,13 +496,15 @@ class Follower:
                     pause = backoff(pause, poll_s, self.idle_poll_s)
                 # a relay's answer names what is new (usually the whole poll)
                 self._token, self._news = wait_news(self.store, self._token, pause, min(1.0, left), data_only=True)
-            except StoreError as exc:  # the store (or a relay, restarting) is failing: retry until the deadline
-                if time.monotonic() > deadline:
+            except OSError as exc:  # the store failing (a relay restarting), or a full disk: retried until the deadline
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # (the version held stays, whole)
+                if not (full or isinstance(exc, StoreError)) or time.monotonic() > deadline:
                     raise
                 if not warned:
-                    print(f"nemo-dcr receiver: store unavailable ({exc}); retrying", file=sys.stderr, flush=True)
+                    print(f"nemo-dcr receiver: {'the disk is full' if full else 'store unavailable'} ({exc}); "
+                          f"holding version {self.version}, retrying", file=sys.stderr, flush=True)
                 warned, self._news = True, None
-                time.sleep(min(1.0, 10 * poll_s))
+                time.sleep(1.0 if full else min(1.0, 10 * poll_s))
             if self._news is None:  # a gap in the news: later news does not bring the listing kept
                 self._listed = None  # from before it up to date (docs/RELAY.md, long-poll)
 

@@ -17,6 +17,7 @@ from nemo_dcr_callback.core.rawbits import bits
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import latest_keyframe, load_keyframe
 from nemo_dcr_callback.protocol.records import read_limit
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.receiver.follow import FETCH_LANES, Applied, Follower, FollowerConfig
 from nemo_dcr_callback.receiver.targets import CheckpointDirTarget, LoaderTarget
 from nemo_dcr_callback.receiver.targets.fp8_dir import Fp8DirTarget
@@ -34,18 +35,26 @@ def load_model(store, hf_model: str | None, timeout: float):
     if hf_model is not None:
         return AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16), 0
     deadline = time.monotonic() + timeout
+    failing: StoreError | None = None
     while True:
-        k = latest_keyframe(store)
         try:
+            k = latest_keyframe(store)
             if k is not None and store.exists(keys.keyframe_config(k)):
                 _, blob = load_keyframe(store, k)  # (checked before transformers sees it)
                 config = store.get(keys.keyframe_config(k), limit=read_limit(keys.keyframe_config(k)))
                 break
         except KeyError:  # gc deleted it under us: a newer one is there
             pass
+        except StoreError as exc:  # the store is failing (a 5xx, a restart): retried until the deadline
+            if failing is None:
+                print(f"nemo-dcr receiver: store unavailable at start-up ({exc}); retrying for up to "
+                      f"{max(0.0, deadline - time.monotonic()):.0f} s", file=sys.stderr, flush=True)
+            failing = exc
         if time.monotonic() > deadline:
+            if failing is not None:
+                raise TimeoutError(f"no keyframe read from the store in {timeout:.0f} s: it kept failing ({failing})")
             raise TimeoutError(f"no keyframe in the store after {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(0.1 if failing is None else 0.5)
     tmp = Path(tempfile.mkdtemp(prefix="nemo-dcr-keyframe."))
     try:
         (tmp / keys.CONFIG_FILE).write_bytes(config)

@@ -157,3 +157,39 @@ def test_receive_stops_at_until_and_reports_json_lines(tmp_path):
     assert "holds version 2" in p.stdout and "version 3 (base 2)" in p.stdout
     got = _load(d)
     assert all(torch.equal(bits(got[k]), bits(states[3][k])) for k in states[3])
+
+
+def test_a_full_disk_holds_the_version_and_retries(tmp_path):
+    """Issue 67: a checkpoint-directory receiver whose disk filled up exited 2 (ENOSPC, twice in
+    the long soak). It now holds its version, says why once, and applies once there is room:
+    a real tmpfs, filled to the last byte, freed after a few seconds; the oracle is the
+    version's tensors loaded back."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.soak.fleet import Tmpfs, can_mount_tmpfs
+
+    if not can_mount_tmpfs():
+        pytest.skip("needs root to mount a small tmpfs (a real full disk)")
+    store = FileStore(tmp_path / "store")
+    states = versions.chain(store, steps=2)
+    disk = Tmpfs(tmp_path / "disk", 8)
+    try:
+        d = _dir(disk.path, states[0])
+        disk.fill()
+        exe = Path(sys.executable).parent / "nemo-dcr"
+        rx = subprocess.Popen([str(exe), "receive", "--store", store.url, "--model-dir", str(d), "--follow",
+                               "--until", "2", "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+        time.sleep(6)
+        assert rx.poll() is None, rx.communicate()  # held, not ended
+        disk.free()
+        out, err = rx.communicate(timeout=120)
+        assert rx.returncode == 0, (out, err)
+        assert err.count("the disk is full") == 1 and "holding version 0" in err, err
+        got = _load(d)
+        assert all(torch.equal(bits(got[k]), bits(states[2][k])) for k in states[2])
+    finally:
+        disk.umount()
