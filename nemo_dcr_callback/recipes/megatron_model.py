@@ -215,6 +215,37 @@ HF_REQUIRES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("multi_latent_attention", "num_moe_experts", "moe_router_enable_expert_bias"),
 }
 
+# The Hydra overrides that give each of those, with what megatron-core then also needs (the
+# example sizes are the tests' tiny ones): a refusal names exactly what to type.
+HF_REQUIRES_OVERRIDES: dict[str, tuple[tuple[str, str], ...]] = {
+    "add_qkv_bias": (("add_qkv_bias", "true"),),
+    "qk_layernorm": (("qk_layernorm", "true"),),
+    "num_moe_experts": (("num_moe_experts", "4"), ("moe_ffn_hidden_size", "32")),
+    "multi_latent_attention": (("multi_latent_attention", "true"),),
+    # megatron-core takes the expert bias only with the sigmoid router
+    "moe_router_enable_expert_bias": (("moe_router_enable_expert_bias", "true"),
+                                      ("moe_router_score_function", "sigmoid")),
+}
+
+
+def _in_yaml(field: str) -> bool:
+    """Is model.<field> a key of the packaged train_gpt.yaml (else Hydra needs `+` to add it)?"""
+    from importlib.resources import files
+
+    text = (files("nemo_dcr_callback") / "configs" / "train_gpt.yaml").read_text()
+    return f"\n  {field}:" in text
+
+
+def required_overrides(cfg: TinyGPTConfig, family: str) -> list[str]:
+    """The Hydra overrides a training run of `family` still needs, `+` included where the key
+    is not in the packaged config (empty: none)."""
+    out: list[str] = []
+    for f in HF_REQUIRES.get(family, ()):
+        if not getattr(cfg, f):
+            out += [f"{'' if _in_yaml(k) else '+'}model.{k}={v}" for k, v in HF_REQUIRES_OVERRIDES[f]
+                    if str(getattr(cfg, k)).lower() != v]
+    return list(dict.fromkeys(out))
+
 
 def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
     """The transformers config of the model's family (the receiver's), with `architectures`."""
@@ -224,8 +255,8 @@ def hf_config(cfg: TinyGPTConfig, family: str = "llama"):
         raise ValueError(f"no Hugging Face config for family {family!r} (have {sorted(HF_FAMILIES)})")
     unset = [f for f in HF_REQUIRES.get(family, ()) if not getattr(cfg, f)]
     if unset:
-        raise ValueError(f"family {family}: its Hugging Face model has what model.{unset[0]} makes; set "
-                         + ", ".join(f"model.{f}" for f in unset))
+        raise ValueError(f"family {family}: its Hugging Face model has what model.{unset[0]} makes; add these "
+                         f"overrides: {' '.join(required_overrides(cfg, family))}")
     config_class, model_class, fields = HF_FAMILIES[family]
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.num_attention_heads, max_position_embeddings=max(cfg.seq_length, 64),

@@ -64,3 +64,40 @@ def test_a_family_whose_model_lacks_what_its_engines_expect_is_refused():
     with pytest.raises(ValueError, match="model.qk_layernorm"):
         hf_config(TinyGPTConfig(), "qwen3")  # (the keyframe would lack q_norm and k_norm)
     assert hf_config(TinyGPTConfig(qk_layernorm=True), "qwen3").architectures == ["Qwen3ForCausalLM"]
+
+
+def test_a_refused_family_names_the_exact_overrides():
+    """Issue 67: deepseek_v3 without the router's expert bias said "set
+    model.moe_router_enable_expert_bias", a key the Hydra config lacks (it needs `+`), and
+    megatron-core then also wanted the sigmoid router: three runs to get there. The refusal
+    now names every override, `+` where the key is not in configs/train_gpt.yaml."""
+    from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig, hf_config
+
+    with pytest.raises(ValueError) as e:
+        hf_config(TinyGPTConfig(multi_latent_attention=True, num_moe_experts=4, moe_ffn_hidden_size=32),
+                  "deepseek_v3")
+    assert str(e.value).endswith("add these overrides: +model.moe_router_enable_expert_bias=true "
+                                 "+model.moe_router_score_function=sigmoid"), e.value
+    with pytest.raises(ValueError, match=r"overrides: model\.qk_layernorm=true$"):
+        hf_config(TinyGPTConfig(), "qwen3")
+
+
+@pytest.mark.slow
+def test_the_named_overrides_are_enough(tmp_path):
+    """The recipe refused as a new user would run it, then run again with exactly the
+    overrides its error names: it trains and publishes (real torchrun, megatron-core)."""
+    import subprocess
+
+    from nemo_dcr_callback.launcher import torchrun_cmd
+    from tests.helpers import REPO
+    from tests.helpers.keyframes import MOE, TINY
+
+    base = [str(REPO / "scripts" / "train.py"), f"hydra.run.dir={tmp_path}", "trainer.max_steps=1", *TINY,
+            "dcr.family=deepseek_v3", "model.multi_latent_attention=true", *MOE,
+            f"dcr.store=file://{tmp_path / 'store'}"]
+    p = subprocess.run(torchrun_cmd(1, base), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "add these overrides: " in out, out[-3000:]
+    named = out.split("add these overrides: ")[1].splitlines()[0].split()
+    p = subprocess.run(torchrun_cmd(1, base + named), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, (named, (p.stdout + p.stderr)[-3000:])
