@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-CLI = [str(Path(sys.executable).parent / "nemo-dcr")]
+EXE = str(Path(sys.executable).parent / "nemo-dcr")  # this environment's entry point
+CLI = [EXE]
 
 
 def run(*args, ok=True):

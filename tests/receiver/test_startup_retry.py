@@ -15,15 +15,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers.cli import EXE as CLI
 from tests.helpers.relay_process import start_relay
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 DOWN_S = 10.0
 
 

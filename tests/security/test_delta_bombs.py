@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
 
+from tests.helpers.cli import EXE as CLI
+
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 _FOOT = struct.Struct("<QQQ8s")
 
 

@@ -11,15 +11,15 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
 import zstandard
 
+from tests.helpers.cli import EXE as CLI
+
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 _FOOT = struct.Struct("<QQQ8s")
 
 

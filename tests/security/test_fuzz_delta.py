@@ -3,7 +3,7 @@ mutated from a fixed seed, fed to `stats`, `patch` and the codec's chunk parsing
 
 Every case must end in a clear refusal (DeltaError, ChunkError: both name the problem) or be
 accepted; never a traceback (KeyError, TypeError, IndexError, ...) nor a MemoryError under
-tests/security/capped.py's cap (256 MB over the process's size once set up), and the peak
+tests/helpers/capped.py's cap (256 MB over the process's size once set up), and the peak
 resident set must stay below that. After a refused patch, nothing is left at OUT or beside it.
 
 Manifest mutations: a field's value swapped for another type (null, lists, objects, strings,
@@ -30,7 +30,7 @@ import xxhash
 import zstandard
 
 from nemo_dcr_callback.codec.format import varint
-from tests.security.capped import bad_results, run_capped
+from tests.helpers.capped import bad_results, run_capped
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"

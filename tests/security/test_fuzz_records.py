@@ -3,7 +3,7 @@ and PUT to a relay as request bodies.
 
 Deterministic mutations of real records (types swapped, fields missing, huge and negative
 numbers, NaN and infinities, deep nesting, long digit runs, odd names, bytes cut or flipped)
-run in a subprocess capped at its baseline + 256 MB (tests/security/capped.py). Every case
+run in a subprocess capped at its baseline + 256 MB (tests/helpers/capped.py). Every case
 ends in a record, a skip or a clear refusal: never a traceback, never more memory, and a
 relay never answers 5xx.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.security.capped import bad_results, run_capped
+from tests.helpers.capped import bad_results, run_capped
 
 ROOT = repr(str(Path(__file__).resolve().parents[2]))
 

@@ -5,13 +5,13 @@ folder) puts there.
 A few hundred batches mutated from a valid one, with a fixed seed: fields of the wrong type,
 huge and negative numbers, NaN and infinities, nesting, fields missing, long token lists, many
 episodes, bytes that are no JSON. Each runs in a subprocess whose address space is capped
-(tests/security/capped.py): the reader must accept it or refuse it with BadBatch (a
+(tests/helpers/capped.py): the reader must accept it or refuse it with BadBatch (a
 ValueError), never a traceback or a MemoryError, and what it accepts must make a token batch
 the policy gradient can train on (rl_task.batch), the trainer's next step."""
 
 from __future__ import annotations
 
-from tests.security.capped import bad_results, run_capped
+from tests.helpers.capped import bad_results, run_capped
 
 SETUP = """
 import copy, json, math, os, random, tempfile

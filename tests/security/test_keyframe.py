@@ -6,8 +6,6 @@ from it: a clear error naming the key, exit 2, nothing loaded. The damage is mad
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from safetensors.torch import save
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import KeyframeError, load_keyframe
 from nemo_dcr_callback.transport.store import FileStore
-
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
+from tests.helpers.cli import EXE as CLI
 
 
 def _store(tmp_path) -> tuple[FileStore, dict]:

@@ -27,8 +27,8 @@ import xxhash
 import zstandard
 
 from tests.helpers import GOLDEN
+from tests.helpers.capped import bad_results, run_capped
 from tests.helpers.cli import CLI
-from tests.security.capped import bad_results, run_capped
 
 _HEAD = struct.Struct("<4sHH")
 _FOOT = struct.Struct("<QQQ8s")

@@ -3,7 +3,7 @@
 Each test names its finding. Real parts throughout: file:// stores, `nemo-dcr relay`
 processes, the `nemo-dcr status` and `gc` CLIs; memory is measured as peak RSS (VmHWM) above
 a baseline taken in the same process, in a subprocess capped at baseline + 256 MB
-(tests/security/capped.py).
+(tests/helpers/capped.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +18,10 @@ from pathlib import Path
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.transport.relay_store import RelayStore
 from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers.capped import bad_results, run_capped
+from tests.helpers.cli import EXE as CLI
 from tests.helpers.relay_process import request, start_relay
-from tests.security.capped import bad_results, run_capped
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 PUB, RECV = "probe3-publisher-token", "probe3-receivers-token"
 ENV = {"NEMO_DCR_RELAY_TOKEN": PUB, "NEMO_DCR_RELAY_RECEIVER_TOKEN": RECV}
 # what the probe wrote into the origin's receivers/ (the receivers' role may write there)

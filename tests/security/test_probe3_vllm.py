@@ -26,15 +26,14 @@ import importlib
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from nemo_dcr_callback.integrations import vllm as dcr_vllm
 from nemo_dcr_callback.integrations import vllm_serve
 from nemo_dcr_callback.integrations.vllm import DCRWorkerExtension
+from tests.helpers.cli import EXE as CLI
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 DEV = "VLLM_SERVER_DEV_MODE"
 
 

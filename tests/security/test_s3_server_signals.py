@@ -7,13 +7,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
+from tests.helpers.cli import EXE as CLI
 
 
 def weed_pids(data_dir: Path) -> list[int]:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from nemo_dcr_callback.protocol.store import redact
+from tests.helpers.cli import EXE as CLI
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 SECRET = "S3CR3Tvalue42"
 
 

@@ -9,14 +9,14 @@ import hashlib
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import xxhash
 
+from tests.helpers.cli import EXE as CLI
+
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 KEY = "a-shared-key-of-32-bytes-0123456"
 _FOOT = struct.Struct("<QQQ8s")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,9 @@ import pytest
 from nemo_dcr_callback.launcher import torchrun_cmd
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers.cli import EXE as CLI
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 JUNK = {"garbage.json": b"garbage", "empty.json": b"{}", "badtime.json": b'{"receiver":"x","version":1,"time":"soon"}',
         "list.json": b"[1, 2]", "boolversion.json": b'{"receiver":"y","version":true,"time":1.0}',
         # issue 46, finding 2: Python's json raises a plain ValueError past 4,300 digits and a

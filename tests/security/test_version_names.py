@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.transport.store import FileStore
+from tests.helpers.cli import EXE as CLI
 from tests.helpers.relay_process import PUB, RECV, request, start_relay
 
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
 ARABIC = "\u0661" * 10  # ten Arabic-Indic ones: str.isdigit() and int() take them
 JUNK = [ARABIC, "9" * 20, "\u00b2" * 10, "000000001", "+000000001", "0000000001 "]
 

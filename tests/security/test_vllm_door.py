@@ -11,15 +11,12 @@ itself: no engine is needed to call them, and they refuse before touching the en
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from nemo_dcr_callback.integrations import vllm_serve
 from nemo_dcr_callback.integrations.vllm import DCRWorkerExtension
-
-CLI = str(Path(sys.executable).parent / "nemo-dcr")
+from tests.helpers.cli import EXE as CLI
 
 
 @pytest.mark.parametrize("extra,says", [

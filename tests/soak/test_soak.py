@@ -11,6 +11,8 @@ Each seed here is one that found a bug, kept so it stays fixed:
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests.soak import invariants
@@ -33,5 +35,5 @@ def test_short_soak(tmp_path, seed):
     assert rep["verified_applies"] > 0 and any(s.get("bit_exact") for s in rep["dense_samples"])
     assert {r: s["held"] for r, s in rep["served"].items()} == dict.fromkeys(invariants.RECEIVERS,
                                                                             rep["convergence"]["newest"])
-    if not can_mount_tmpfs():
-        pytest.skip("ran without the full-disk fault (mounting a tmpfs needs root)")
+    if not can_mount_tmpfs():  # a pass, with what it could not cover said (it was reported as a skip)
+        warnings.warn("the soak ran without the full-disk fault (mounting a tmpfs needs root)", stacklevel=1)

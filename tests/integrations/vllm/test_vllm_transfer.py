@@ -244,9 +244,17 @@ def test_two_servers_one_trainer_requests_in_flight(tmp_path, oracle):
              for i, (v, p) in enumerate(zip((0, 1), ports, strict=True))]
     try:
         inflight.wait_up(bases, procs)
-        # a server is pinned to its store: another is refused before anything changes
-        with pytest.raises(AssertionError, match="HTTP 500"):  # (vLLM answers 500 with no message)
-            _post(bases[0], "/init_weight_transfer_engine", {"init_info": {"store": f"file://{tmp_path}/other"}})
+        # a server is pinned to its store: another is refused before anything changes. vLLM
+        # answers 500 with no message, so the refusal is read from the server's log (any 500
+        # passed before), and the weights are checked unchanged.
+        other = tmp_path / "other"
+        FileStore(other).put("receivers/x.json", b"{}")  # (a store that exists: refused for being another)
+        with pytest.raises(AssertionError, match="HTTP 500"):
+            _post(bases[0], "/init_weight_transfer_engine", {"init_info": {"store": f"file://{other}"}})
+        log0 = (tmp_path / "serve0.log").read_text()
+        assert "follows only the store it was started for" in log0, log0[-3000:]
+        got = _post(bases[0], "/weight_checker", {"action": "compare", "baseline": sums[0]})
+        assert got == {"match": True, "mismatches": []}, got
         with pytest.raises(EngineError) as err:
             _trainer(dirs, store.url, [HTTPClient(b) for b in bases], receiver_id="rollout")
         assert set(err.value.errors) == {"rollout-1"}, err.value.errors  # B by name; A initialised
