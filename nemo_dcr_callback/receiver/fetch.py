@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.codec import digest
+from nemo_dcr_callback.codec import context, digest
 from nemo_dcr_callback.codec.decode import OldBits
 from nemo_dcr_callback.config import FETCH_LANES
 from nemo_dcr_callback.core.bitops import scatter, ulp_negate
@@ -200,3 +200,47 @@ def fetch_part(store, key: str, check: Check, old: OldBits | None = None) -> tup
         raise codec.ChunkError(str(exc)) from None
     decoded = [d for c in codec.split_chunks(blob) for d in _decode_checked(c, check, old)]
     return key, len(blob), xxhash.xxh3_64_hexdigest(blob), decoded
+
+
+class HeldBits:
+    """A tensor's bits as the target holds them (the version held: a version is fetched only
+    while its base is held), for context-coded chunks: a flat view where the target has one,
+    else the canonical tensor read through its loader's copies (kept for the version held: a
+    tensor of several chunks is read once). A tensor on a GPU is read as its exponent bytes,
+    computed on the device (the walk needs no more)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.device = getattr(target, "device", None)  # a loader's model on a GPU: old bits read there
+        self._lock = threading.Lock()
+        self._cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+
+    def forget(self) -> None:
+        """The version held moved on: what was read is stale."""
+        self._cache = (-1, {})
+
+    def __call__(self, h: codec.ChunkHeader, version: int) -> torch.Tensor:
+        flat = getattr(self.target, "flat", None)
+        if flat is not None:
+            return _host(flat(h.name))
+        canonical = getattr(self.target, "canonical", None)
+        if canonical is None:
+            raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver "
+                                   f"({type(self.target).__name__}) cannot read the bits it holds")
+        with self._lock:
+            if self._cache[0] != version:
+                self._cache = (version, {})
+            held = self._cache[1]
+            if h.name not in held:
+                t = canonical(h.name, device=self.device) if self.device is not None else canonical(h.name)
+                if t is None:
+                    raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver holds only "
+                                           "part of that tensor (tensor parallel): it cannot read the old bits")
+                held[h.name] = _host(t)
+            return held[h.name]
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Old bits on the host, flat, for the decoder's walk: a host tensor as it is, a device
+    tensor as its exponent bytes (computed there; half of BF16's bytes cross to the host)."""
+    return t.reshape(-1) if t.is_cpu else context.exponent_bytes(t).cpu()

@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import errno
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 
-import torch
-
 from nemo_dcr_callback import codec
-from nemo_dcr_callback.codec import context, digest
+from nemo_dcr_callback.codec import digest
 from nemo_dcr_callback.config import FETCH_LANES, FollowerConfig
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.keys import VERSIONS, is_part, version_of
 from nemo_dcr_callback.protocol.store import StoreError, backoff, wait_news
-from nemo_dcr_callback.receiver.fetch import Parts, fetch_part
+from nemo_dcr_callback.receiver.fetch import HeldBits, Parts, fetch_part
 from nemo_dcr_callback.receiver.journal import Journal
 from nemo_dcr_callback.receiver.targets import StateDictTarget
 
@@ -78,9 +75,7 @@ class Follower:
         self.poll_s = cfg.poll_s
         self.idle_poll_s = max(cfg.idle_poll_s, cfg.poll_s)
         self._parts: dict[int, Parts] = {}
-        self._old_lock = threading.Lock()  # the cache of old bits read through a loader, by version held
-        self._old_cache: tuple[int, dict[str, torch.Tensor]] = (-1, {})
-        self._device = getattr(self.target, "device", None)  # a loader's model on a GPU: old bits read there
+        self._held_bits = HeldBits(self.target)  # the bits held, for context-coded chunks
         self.refused: dict[int, int] = {}  # version -> refusals (bad chunks, wrong base)
         # versions this follower can never apply (aborted, or on a base older than the one held):
         # each poll looked at every one again, two requests apiece. Under an abort storm hundreds
@@ -150,32 +145,7 @@ class Follower:
     # ------------------------------------------------------------ fetching
     def _fetch_one(self, key: str):
         """One part fetched, verified against the target and decoded (fetch.fetch_part)."""
-        return fetch_part(self.store, key, self.target.check, self._old_bits)
-
-    def _old_bits(self, h: codec.ChunkHeader) -> torch.Tensor:
-        """A tensor's bits as the target holds them (the version held: a version is fetched
-        only while its base is held), for context-coded chunks: a flat view where the target
-        has one, else the canonical tensor read through its loader's copies (kept for the
-        version held: a tensor of several chunks is read once). A tensor on a GPU is read as
-        its exponent bytes, computed on the device (the walk needs no more)."""
-        flat = getattr(self.target, "flat", None)
-        if flat is not None:
-            return _host(flat(h.name))
-        canonical = getattr(self.target, "canonical", None)
-        if canonical is None:
-            raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver "
-                                   f"({type(self.target).__name__}) cannot read the bits it holds")
-        with self._old_lock:
-            if self._old_cache[0] != self.version:
-                self._old_cache = (self.version, {})
-            held = self._old_cache[1]
-            if h.name not in held:
-                t = canonical(h.name, device=self._device) if self._device is not None else canonical(h.name)
-                if t is None:
-                    raise codec.ChunkError(f"chunk for {h.name!r} is context-coded, and this receiver holds only "
-                                           "part of that tensor (tensor parallel): it cannot read the old bits")
-                held[h.name] = _host(t)
-            return held[h.name]
+        return fetch_part(self.store, key, self.target.check, lambda h: self._held_bits(h, self.version))
 
     def _fetch_parts(self, v: int, keys: list[str]) -> None:
         """Every part of `keys` held: waits for the ones fetching in the background, fetches
@@ -332,7 +302,7 @@ class Follower:
                 new = self._terms(decoded)
                 checked = self._check_digests(v, rec, {n: (old[n], new[n]) for n in old})
         self.version = v
-        self._old_cache = (-1, {})
+        self._held_bits.forget()
         self._parts.pop(v, None)
         self.heartbeat()
         return Applied(v, rec["base"], len(decoded), sum(d.header.count for d in decoded),
@@ -376,7 +346,7 @@ class Follower:
     def poll(self, on_apply: Callable[[Applied], None] | None = None, until: int | None = None) -> list[Applied]:
         """Apply every version that follows the one held, in order (streaming the newest one
         while it is written), up to `until` if given; on_apply runs right after each."""
-        out = []
+        out: list[Applied] = []
         # what a relay's long-poll named as new since the last poll (None: not known); it is
         # this poll's news, so after an apply in the loop below nothing is news any more
         told, self._news = self._news, None
@@ -385,33 +355,10 @@ class Follower:
         while True:
             if until is not None and self.version >= until:
                 return out
-            progressed = streamed = False
-            # While the next version streams, one listing of its folder is the whole poll: it
-            # shows new parts, and its record or decision once written (then read below).
-            # Listing every version, or asking for the record and decision each time, costs
-            # requests that a busy store answers slowly and delays seeing the next part.
             nxt = self.version + 1
             listings: dict[int, list[str]] = {}
-            if nxt in self._parts and nxt not in self.refused:
-                if told is None and self._parts[nxt].queued:
-                    # parts known and waiting for a lane: a listing could only add more to wait
-                    # for, and each one crosses the link the parts need (its answer grows with
-                    # the parts listed). List again once the queue runs dry.
-                    self._parts[nxt].harvest()
-                    self._apply_early(nxt)
-                    return out
-                listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
-                self._listed = (nxt, listing)
-                if not listing:
-                    # its folder is gone: aborted and collected before this receiver saw the
-                    # decision (it was stopped or cut off meanwhile); waiting on it was for ever
-                    self._drop(nxt)
-                    self._listed = None
-                    listings.pop(nxt)
-                elif commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
-                    self.prefetch(nxt, listing)
-                    self._apply_early(nxt)
-                    return out
+            if self._poll_streaming(nxt, told, news, listings):
+                return out
             if nxt in self._parts:
                 known = [nxt]
             elif told is not None and not self._names_newer(told):
@@ -422,54 +369,94 @@ class Follower:
             else:
                 known = commit.list_versions(self.store)
             news = None
-            if len(self._passed) > 64:
+            if len(self._passed) > 64 or len(self.refused) > 64:  # (versions behind the one held are done with)
                 self._passed = {v for v in self._passed if v > self.version}
+                self.refused = {v: n for v, n in self.refused.items() if v > self.version}
+            streamed = False
             for v in [v for v in known if v > self.version and v not in self._passed]:
                 # One listing says whether v has a decision and a record (read only if so) and
                 # which parts are there: a version that just appeared costs one round trip
                 # before its first part is under way, not three.
                 listing = listings[v] if v in listings else self.store.list(commit.vdir(v))
-                d = commit.read_decision(self.store, v) if commit.decision_key(v) in listing else None
-                if d is not None and d["decision"] != "commit":
-                    self._drop(v)
-                    self._passed.add(v)
-                    continue
-                if v in self.refused and d is None:
-                    continue  # refused (acked as such): wait for the decision before trying again
-                rec = commit.read_record(self.store, v) if commit.version_record(v) in listing else None
-                if rec is None:
-                    if d is None and not streamed:
-                        self._listed = (v, listing)  # the next poll adds the news to it: no listing
-                        self.prefetch(v, listing)  # still being written: stream what is there
-                        self._apply_early(v)
-                        streamed = True
-                    continue
-                if rec["base"] != self.version:
-                    self._drop(v)  # not on the version held (anything applied early is undone)
-                    if rec["base"] < self.version:
-                        self._passed.add(v)
-                    continue
-                try:
-                    out.append(self.apply_version(v, rec))
-                except _Aborted:
-                    continue
-                except codec.ChunkError as exc:
-                    # A receiver in the commit refuses the version (its ack says why) and goes on:
-                    # an abort drops it; if it commits anyway (quorum), it is fetched afresh, a
-                    # few times at most (the damage may have been on the way here).
-                    self._drop(v)
-                    self.refused[v] = self.refused.get(v, 0) + 1
-                    if self.on_refuse is not None:
-                        self.on_refuse(v, exc)
-                    if not self.receiver_id or self.refused[v] > self.max_refusals:
-                        raise
-                    continue
-                if on_apply:
-                    on_apply(out[-1])
-                progressed = True
-                break
-            if not progressed:
+                got = self._poll_version(v, listing, streamed)
+                streamed = streamed or got == "streamed"
+                if isinstance(got, Applied):
+                    out.append(got)
+                    if on_apply:
+                        on_apply(got)
+                    break
+            else:
                 return out
+
+    def _poll_streaming(self, nxt: int, told: list[str] | None, news: list[str] | None,
+                        listings: dict[int, list[str]]) -> bool:
+        """While the next version streams, one listing of its folder is the whole poll: it
+        shows new parts, and its record or decision once written (then read by the caller).
+        Listing every version, or asking for the record and decision each time, costs requests
+        that a busy store answers slowly and delays seeing the next part. True: the poll is
+        done (the version is still being written)."""
+        if nxt not in self._parts or nxt in self.refused:
+            return False
+        if told is None and self._parts[nxt].queued:
+            # parts known and waiting for a lane: a listing could only add more to wait for,
+            # and each one crosses the link the parts need (its answer grows with the parts
+            # listed). List again once the queue runs dry.
+            self._parts[nxt].harvest()
+            self._apply_early(nxt)
+            return True
+        listing = listings[nxt] = self._listing_with(nxt, news) or self.store.list(commit.vdir(nxt))
+        self._listed = (nxt, listing)
+        if not listing:
+            # its folder is gone: aborted and collected before this receiver saw the decision
+            # (it was stopped or cut off meanwhile); waiting on it was for ever
+            self._drop(nxt)
+            self._listed = None
+            listings.pop(nxt)
+        elif commit.version_record(nxt) not in listing and commit.decision_key(nxt) not in listing:
+            self.prefetch(nxt, listing)
+            self._apply_early(nxt)
+            return True
+        return False
+
+    def _poll_version(self, v: int, listing: list[str], streamed: bool) -> Applied | str:
+        """One version after the one held, from its listing: applied (an Applied), "streamed"
+        (still being written: its parts fetched as they come, for the first such version
+        only), or "skip" (aborted, refused, not on the version held)."""
+        d = commit.read_decision(self.store, v) if commit.decision_key(v) in listing else None
+        if d is not None and d["decision"] != "commit":
+            self._drop(v)
+            self._passed.add(v)
+            return "skip"
+        if v in self.refused and d is None:
+            return "skip"  # refused (acked as such): wait for the decision before trying again
+        rec = commit.read_record(self.store, v) if commit.version_record(v) in listing else None
+        if rec is None:
+            if d is None and not streamed:
+                self._listed = (v, listing)  # the next poll adds the news to it: no listing
+                self.prefetch(v, listing)  # still being written: stream what is there
+                self._apply_early(v)
+                return "streamed"
+            return "skip"
+        if rec["base"] != self.version:
+            self._drop(v)  # not on the version held (anything applied early is undone)
+            if rec["base"] < self.version:
+                self._passed.add(v)
+            return "skip"
+        try:
+            return self.apply_version(v, rec)
+        except _Aborted:
+            return "skip"
+        except codec.ChunkError as exc:
+            # A receiver in the commit refuses the version (its ack says why) and goes on: an
+            # abort drops it; if it commits anyway (quorum), it is fetched afresh, a few times
+            # at most (the damage may have been on the way here).
+            self._drop(v)
+            self.refused[v] = self.refused.get(v, 0) + 1
+            if self.on_refuse is not None:
+                self.on_refuse(v, exc)
+            if not self.receiver_id or self.refused[v] > self.max_refusals:
+                raise
+            return "skip"
 
     def follow(self, until: int | None = None, timeout: float = 600.0, poll_s: float | None = None,
                on_apply: Callable[[Applied], None] | None = None) -> None:
@@ -507,12 +494,6 @@ class Follower:
                 time.sleep(1.0 if full else min(1.0, 10 * poll_s))
             if self._news is None:  # a gap in the news: later news does not bring the listing kept
                 self._listed = None  # from before it up to date (docs/RELAY.md, long-poll)
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """Old bits on the host, flat, for the decoder's walk: a host tensor as it is, a device
-    tensor as its exponent bytes (computed there; half of BF16's bytes cross to the host)."""
-    return t.reshape(-1) if t.is_cpu else context.exponent_bytes(t).cpu()
 
 
 class _Aborted(Exception):
