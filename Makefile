@@ -196,7 +196,8 @@ wheel-smoke: setup
 # there. The pins are the versions .venv resolves; WHEEL_PY picks the interpreter's tag.
 WHEEL_PY ?= 3.12
 WHEELHOUSE ?= .whl
-DEVICE_PKGS := megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 zstandard==0.25.0
+DEVICE_PKGS := megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 zstandard==0.25.0 \
+	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0  # (the GPU pytest cases)
 wheelhouse:
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \

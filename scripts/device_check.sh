@@ -3,7 +3,8 @@
 #   bash scripts/device_check.sh [--sizes-mib 256,1024] [--rates 0.01,0.03,0.05] [--reps 10]
 #   bash scripts/device_check.sh --e2e [--tune]      # the whole device run of issue 51
 #   bash scripts/device_check.sh --e2e --dry-run     # its CPU path, here (make device-dry-run)
-# Default: builds the CPU and CUDA kernels, checks the CUDA kernels against the CPU reference
+# Default: builds the CPU and CUDA kernels, runs the GPU pytest cases (GPU_TESTS below; the
+# suite skips them without a device: only here do they run), checks the CUDA kernels against the CPU reference
 # (every dtype, odd sizes, 0% and 100% change, empty tensors, realistic BF16 deltas, refusals,
 # the sender's side stream), times delta and apply against a device-to-device copy of the same
 # bytes, writes $OUT/cuda.json (else benchmarks/results/cuda.json), prints a table last.
@@ -93,6 +94,21 @@ echo "   built in $(( $(date +%s) - t0 )) s"
 $PY -c 'from nemo_dcr_callback.tools import doctor; print(doctor.render(doctor.report()))'
 
 rc=0
+# The GPU cases of the test suite first: CI has no device and skips them, so they run only
+# here. Their report goes to $results/gpu_pytest.txt (bounded: a hang must not eat the lease).
+GPU_TESTS=(tests/core/test_cuda_ext.py tests/receiver/test_receive_device.py
+           "tests/receiver/test_context_chunks.py::test_a_receiver_on_a_gpu_decodes_from_exponent_bytes")
+if [ $dry = 0 ] && [ "${DCR_NO_PYTEST:-0}" != 1 ]; then
+  if $PY -c 'import pytest' 2>/dev/null; then
+    echo "== GPU test cases: pytest ${GPU_TESTS[*]}"
+    timeout "${DCR_PYTEST_TIMEOUT_S:-300}" $PY -m pytest -q -p no:cacheprovider -m "not slow" "${GPU_TESTS[@]}" \
+      2>&1 | tee "$results/gpu_pytest.txt" | tail -15
+    s=${PIPESTATUS[0]}; [ "$s" != 0 ] && rc=$s
+  else
+    echo "device_check: pytest is missing (make wheelhouse brings it): the GPU test cases did not run" >&2
+    rc=2
+  fi
+fi
 # --e2e: the end-to-end run first (the kernels alone have run on an H200 before; a lease that
 # runs out should cut the check short, not the run never made)
 if [ $e2e = 1 ]; then
