@@ -11,7 +11,8 @@ STAMP  := $(VENV)/.setup-done
 # The CPU wheel of torch 2.13.0 is on local disk here; pinning it keeps pip from pulling a CUDA build.
 TORCH  ?= torch==2.13.0
 
-KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
+KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp $(wildcard cuda_ext/cpu/parts/*.h) \
+	cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
 .PHONY: wheelhouse device-dry-run security setup test test-all test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl test-trl placement faults demo soak-short bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak
 

@@ -122,7 +122,8 @@ def _ext(name: str, source: str, **kw) -> Extension:
 setup(
     ext_modules=[
         _ext(CPU_EXT, "cuda_ext/cpu/dcr_cpu.cpp", extra_compile_args=["-std=c++17", "-O3", "-pthread"],
-             extra_link_args=["-pthread"], depends=["cuda_ext/build.py"]),
+             extra_link_args=["-pthread"],
+             depends=["cuda_ext/build.py", *sorted(str(p) for p in Path("cuda_ext/cpu/parts").glob("*.h"))]),
         _ext(CUDA_EXT, "cuda_ext/cuda/dcr_cuda.cu", depends=["cuda_ext/cuda/cuda_emu.h", "cuda_ext/build.py"]),
     ],
     cmdclass={"build_ext": BuildNative, "bdist_wheel": Wheel},

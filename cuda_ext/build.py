@@ -32,6 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CPU_SOURCE = HERE / "cpu" / "dcr_cpu.cpp"
+CPU_PARTS = HERE / "cpu" / "parts"  # the stages CPU_SOURCE includes (one translation unit)
 CUDA_SOURCE = HERE / "cuda" / "dcr_cuda.cu"
 CUDA_EMU_HEADER = HERE / "cuda" / "cuda_emu.h"
 CPU_LIB = "libdcr_cpu.so"
@@ -150,6 +151,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def cpu_source_sha256() -> str:
+    """The CPU library's source: dcr_cpu.cpp and the parts it includes, in name order."""
+    h = hashlib.sha256(CPU_SOURCE.read_bytes())
+    for p in sorted(CPU_PARTS.glob("*.h")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
 def _version(tool: str) -> str:
     try:
         out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -174,7 +183,7 @@ def build_cpu(out_dir: Path, *, flags: Sequence[str] | None = None, verbose: boo
                      lambda tmp: cpu_command(cxx, flags, tmp), verbose)
     return {"library": out.name, "compiler": cxx, "compiler_version": _version(cxx), "flags": list(flags),
             "flags_from": origin, "source": "cuda_ext/cpu/dcr_cpu.cpp",
-            "source_sha256": sha256(CPU_SOURCE)}
+            "source_sha256": cpu_source_sha256()}
 
 
 def build_cuda(out_dir: Path, *, defines: Sequence[str] = (), verbose: bool = False) -> dict:

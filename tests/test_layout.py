@@ -300,3 +300,14 @@ def test_imports_go_down_the_layers_of_the_architecture_page():
 def test_the_layer_check_sees_an_upward_import():
     assert layer_violations({f"{NAME}.protocol.commit": {f"{NAME}.transport.store"}}) != []
     assert layer_violations({f"{NAME}.transport.store": {f"{NAME}.protocol.keys"}}) == []
+
+
+def test_no_cpu_kernel_source_is_long():
+    """The CPU kernels are one translation unit laid out by stage (cuda_ext/cpu/parts/, included
+    in order by dcr_cpu.cpp), under the same size rule as the Python modules."""
+    cpu = PKG.parent / "cuda_ext" / "cpu"
+    files = [cpu / "dcr_cpu.cpp", *sorted((cpu / "parts").glob("*.h"))]
+    included = (cpu / "dcr_cpu.cpp").read_text()
+    assert all(f'#include "parts/{p.name}"' in included for p in files[1:]), "a part dcr_cpu.cpp does not include"
+    long = [f"{p.relative_to(cpu)}: {n} lines" for p in files if (n := p.read_text().count("\n")) > MAX_LINES]
+    assert len(files) > 2 and not long, "\n".join(long)
