@@ -249,12 +249,13 @@ def test_two_servers_one_trainer_requests_in_flight(tmp_path, oracle):
         # passed before), and the weights are checked unchanged.
         other = tmp_path / "other"
         FileStore(other).put("receivers/x.json", b"{}")  # (a store that exists: refused for being another)
+        before = _post(bases[0], "/weight_checker", {"action": "checksum"})["checksums"]
         with pytest.raises(AssertionError, match="HTTP 500"):
             _post(bases[0], "/init_weight_transfer_engine", {"init_info": {"store": f"file://{other}"}})
         log0 = (tmp_path / "serve0.log").read_text()
         assert "follows only the store it was started for" in log0, log0[-3000:]
-        got = _post(bases[0], "/weight_checker", {"action": "compare", "baseline": sums[0]})
-        assert got == {"match": True, "mismatches": []}, got
+        got = _post(bases[0], "/weight_checker", {"action": "compare", "baseline": before})
+        assert before and got == {"match": True, "mismatches": []}, got
         with pytest.raises(EngineError) as err:
             _trainer(dirs, store.url, [HTTPClient(b) for b in bases], receiver_id="rollout")
         assert set(err.value.errors) == {"rollout-1"}, err.value.errors  # B by name; A initialised
