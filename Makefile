@@ -29,8 +29,12 @@ $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 kernels: setup
 	$(BIN)/python cuda_ext/build.py --cuda-if-found
 
+# The fast suite on TEST_WORKERS processes (pytest-xdist), a test file to a worker: most of
+# its time is spent waiting on the processes a test starts (torchrun ranks, relays, SeaweedFS),
+# so two workers fit a 2-core machine (docs/BUILD.md, CI budget).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 # Issue 38's hostile-input tests (make test runs the fast ones too).
 security: setup

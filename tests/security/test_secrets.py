@@ -21,7 +21,7 @@ SECRET = "S3CR3Tvalue42"
     (f"s3://AKIDX:{SECRET}@bucket/run", "credentials inside the store URL are not accepted"),
     (f"s3://bucket/run?endpoint=http://AKIDX:{SECRET}@127.0.0.1:9", "unreachable"),
     (f"ftp://user:{SECRET}@host/x", "unsupported store URL scheme"),
-    (f"file:///nonexistent-{os.getpid()}", "no store"),
+    ("file:///nonexistent-nemo-dcr-store-q7", "no store"),
 ])
 def test_status_never_prints_a_secret(url, says):
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "AKIDX", "AWS_SECRET_ACCESS_KEY": "fromenv",
