@@ -89,6 +89,9 @@ class PublisherConfig:
     span: int = DEFAULT_CHUNK_SPAN  # canonical positions per chunk
     level: int = 1  # zstd level of zstd-coded streams
     seal_timeout: float = 600.0  # seconds rank 0 waits for every rank's manifest
+    # seconds a failing store is retried (transport/patient.py) before the version fails: an
+    # outage shorter than this is back-pressure, not an exit
+    store_patience_s: float = 300.0
     policy: CommitPolicy = field(default_factory=CommitPolicy)  # slow or refusing receivers
     part_bytes: int = PART_BYTES  # chunks are uploaded in parts of about this size, each as soon as full
     baseline: str = "gpu"  # CUDA shards: baselines in GPU memory (gpu) or pinned host memory (pinned)
@@ -102,6 +105,8 @@ class PublisherConfig:
         check_baseline_option(self.baseline)
         self.context = context_mode(self.context)
         check_link(self.link_mbit)
+        if self.store_patience_s < 0:
+            raise ValueError(f"store_patience_s must be >= 0, not {self.store_patience_s}")
         if self.worker not in ("process", "thread"):
             raise ValueError(f"worker must be 'process' or 'thread', not {self.worker!r}")
 
@@ -153,6 +158,7 @@ class DCRConfig:
     keyframe: bool = True  # write the dense export of version 0 as the receivers' starting point
     verify: bool = False  # check every version bit for bit against the dense export (slow)
     seal_timeout: float = PublisherConfig.seal_timeout  # seconds rank 0 waits for every rank's manifest
+    store_patience_s: float = PublisherConfig.store_patience_s  # seconds a failing store is retried
     commit_policy: str = CommitPolicy.mode  # wait | abort | quorum: what to do about slow or refusing receivers
     ack_timeout: float = CommitPolicy.timeout  # seconds the committer waits for receivers' acks
     quorum: float = CommitPolicy.quorum  # quorum policy: fraction of registered receivers that must ack
@@ -184,6 +190,7 @@ class DCRConfig:
     def publisher_config(self) -> PublisherConfig:
         """Every rank's Publisher."""
         return PublisherConfig(max_pending_bytes=self.max_pending_bytes, span=self.chunk_span, level=self.zstd_level,
-                               seal_timeout=self.seal_timeout, policy=self.commit_policy_config(),
+                               seal_timeout=self.seal_timeout, store_patience_s=self.store_patience_s,
+                               policy=self.commit_policy_config(),
                                part_bytes=self.part_bytes, baseline=self.baseline, resume=self.resume,
                                context=self.context, link_mbit=self.link_mbit)

@@ -34,6 +34,7 @@ from nemo_dcr_callback.placement import FAMILIES, dense_export
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.protocol.rebuild import Replica, reconstruct
 from nemo_dcr_callback.sender.publisher import Publisher
+from nemo_dcr_callback.transport.patient import PatientStore
 from nemo_dcr_callback.transport.store import open_store
 
 # Benchmark instrumentation (`nemo-dcr bench overhead --alternate K`): publish only in every
@@ -97,8 +98,9 @@ class DCRCallback(Callback):
             raise ValueError(f"DCRCallback: unknown family {self.cfg.family!r} (have {sorted(FAMILIES)})")
         family = FAMILIES[self.cfg.family]
         model, vocab = self._model(pl_module), self._vocab(pl_module)
-        store = open_store(self._store_url(trainer))
         rank = dist.get_rank() if dist.is_initialized() else 0
+        # start-up too rides out a store outage (a job restarted while S3 restarts)
+        store = PatientStore(open_store(self._store_url(trainer)), self.cfg.store_patience_s, who=f"dcr rank {rank}")
         resuming = self.cfg.resume and bool(commit.list_versions(store))
         if (self.cfg.keyframe or self.cfg.verify) and not resuming:
             exp = dense_export(model, family, vocab)

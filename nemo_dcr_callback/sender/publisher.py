@@ -38,6 +38,7 @@ from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats
 from nemo_dcr_callback.sender.shard import ShardSender, context_possible
 from nemo_dcr_callback.sender.shm import Arena, ShmPool, pack
 from nemo_dcr_callback.sender.worker import DECISION_MAX_POLL_S, DECISION_POLL_S, WorkerSpec, run_worker
+from nemo_dcr_callback.transport.patient import PatientStore
 from nemo_dcr_callback.transport.store import open_store
 
 __all__ = ["DECISION_MAX_POLL_S", "DECISION_POLL_S", "PublishStats", "Publisher", "PublisherConfig"]
@@ -54,8 +55,11 @@ class Publisher:
                  rank: int | None = None, world: int | None = None, dp_rank: int | None = None,
                  dp_size: int | None = None, base_version: int = 0, **options):
         cfg = self.config = replace(config or PublisherConfig(), **options)
-        self.store = open_store(store) if isinstance(store, str) else store
         self.rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
+        # the trainer's own writes (keyframes, exports, stats) ride out an outage as the worker's do
+        store = open_store(store) if isinstance(store, str) else store
+        self.store = store if isinstance(store, PatientStore) else PatientStore(store, cfg.store_patience_s,
+                                                                                who=f"dcr rank {self.rank}")
         self.world = dist.get_world_size() if world is None and dist.is_initialized() else (world or 1)
         if dp_rank is None or dp_size is None:
             try:
@@ -106,7 +110,7 @@ class Publisher:
         runs = self.sender.context_runs() if context_possible(cfg.context, self.store, cfg.link_mbit) else None
         spec = WorkerSpec(light, self.store.url, self.rank, self.world, cfg.span, cfg.level, cfg.seal_timeout,
                           cfg.nice, self.policy, base_version, self.sender.digests(), cfg.part_bytes, runs,
-                          cfg.context, cfg.link_mbit)
+                          cfg.context, cfg.link_mbit, cfg.store_patience_s)
         if self._process:
             ctx = torch.multiprocessing.get_context("spawn")
             self._jobs, self._results = ctx.Queue(), ctx.Queue()

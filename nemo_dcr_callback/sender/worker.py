@@ -26,6 +26,7 @@ from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats
 from nemo_dcr_callback.sender.mirror import Mirror
 from nemo_dcr_callback.sender.shard import Encoder, context_gate
 from nemo_dcr_callback.sender.shm import unpack
+from nemo_dcr_callback.transport.patient import PatientStore
 from nemo_dcr_callback.transport.store import freeze_long_lived, open_store
 
 DECISION_POLL_S = 0.05  # how often ranks other than 0 first look for a version's decision,
@@ -56,6 +57,7 @@ class WorkerSpec:
     context_runs: dict | None = None
     context: str = "auto"
     link_mbit: float | None = None  # the receivers' link, for context="auto" (config.CONTEXT_MODES)
+    store_patience_s: float = 300.0  # a failing store is retried this long (transport/patient.py)
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,9 @@ def run_worker(spec: WorkerSpec, jobs, results) -> None:
     own_process = threading.current_thread() is threading.main_thread()  # else a thread of the trainer's
     if own_process:  # (in a thread these would set the trainer's intra-op threads and freeze its objects)
         torch.set_num_threads(1)
-    store = open_store(spec.store_url)
+    # an outage shorter than the patience holds the uploads (and, through the memory budget,
+    # the trainer) instead of failing versions until training stops
+    store = PatientStore(open_store(spec.store_url), spec.store_patience_s, who=f"dcr rank {spec.rank}")
     if own_process:
         freeze_long_lived()
     results.put(Ready())
