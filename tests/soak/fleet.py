@@ -38,11 +38,19 @@ def rss(pids) -> int:
 
 @dataclass
 class Exit:
+    """A supervised process's exit and what explains it: "fault" (a kill or stop fault hit this
+    instance of it, however long its tear-down took), "soak" (the soak itself stopped it), or
+    None: nothing aimed at it did, which the soak counts as a violation."""
+
     t: float
     name: str
     rc: int
-    killed_by_fault: bool
+    cause: str | None
     tail: str
+
+    @property
+    def killed_by_fault(self) -> bool:
+        return self.cause == "fault"
 
 
 @dataclass
@@ -57,7 +65,9 @@ class Proc:
     popen: subprocess.Popen | None = None
     wanted: bool = True
     starts: int = 0
-    fault_kill_at: float = -1.0  # when a fault last killed it (its exit is expected)
+    # when a kill or stop fault last hit it: an exit of the instance it hit is that fault's
+    # consequence (a rank killed, torchrun tearing the group down, a stopped receiver's timeout)
+    fault_at: float = -1.0
     down_until: float = 0.0  # a kill fault's hold: not restarted before this
     stopped: bool = False
     exited_at: float = 0.0
@@ -109,8 +119,19 @@ class Proc:
             except ProcessLookupError:
                 pass
 
+    def hit(self) -> None:
+        """A fault aimed at this process fires now."""
+        self.fault_at = time.monotonic()
+
+    def explains(self) -> str | None:
+        """What explains an exit of the current instance (Exit.cause)."""
+        if not self.wanted:
+            return "soak"
+        t0 = self.instances[-1]["t0"] if self.instances else 0.0
+        return "fault" if self.fault_at >= t0 else None
+
     def kill(self, hold_s: float = 0.0) -> None:
-        self.fault_kill_at = time.monotonic()
+        self.hit()
         self.down_until = time.monotonic() + hold_s
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGKILL)
@@ -129,9 +150,10 @@ class Supervisor:
     """Restarts every wanted process that is not running (after its hold and a backoff), and
     records each exit: a fault's kill, or not (an exit nobody caused is reported)."""
 
-    def __init__(self, procs: list[Proc]):
+    def __init__(self, procs: list[Proc], on_exit=None):
         self.procs = {p.name: p for p in procs}
         self.exits: list[Exit] = []
+        self.on_exit = on_exit  # (Exit) -> None: the watch counts the unexplained ones
         self._stop = threading.Event()
         self.lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="supervisor")
@@ -148,7 +170,9 @@ class Supervisor:
                 for p in self.procs.values():
                     if p.popen is not None and p.popen.poll() is not None:
                         rc = p.popen.returncode
-                        self.exits.append(Exit(now, p.name, rc, now - p.fault_kill_at < 10.0, p.tail()))
+                        self.exits.append(Exit(now, p.name, rc, p.explains(), p.tail()))
+                        if self.on_exit is not None:
+                            self.on_exit(self.exits[-1])
                         p.signal(signal.SIGKILL)  # what is left of its group (torchrun's other rank)
                         p.popen, p.exited_at = None, now
                     if p.popen is None and p.wanted and now >= p.down_until and now - p.exited_at >= p.restart_s:
@@ -156,7 +180,9 @@ class Supervisor:
                             p.start()
                         except Exception as exc:  # noqa: BLE001 - tried again at the next tick
                             p.popen, p.exited_at = None, now
-                            self.exits.append(Exit(now, p.name, -1, False, f"start failed: {exc}"))
+                            # the harness's own start (an operator's restart script reading the
+                            # store under a fault): retried at the next tick, not a product exit
+                            self.exits.append(Exit(now, p.name, -1, "start", f"start failed: {exc}"))
 
     def stop(self) -> None:
         self._stop.set()

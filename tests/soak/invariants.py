@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from nemo_dcr_callback.protocol import commit
+from tests.soak import accounting
 from tests.soak.oracle import DenseOracle
 
 RSS_GROWTH = 0.10
@@ -308,6 +309,8 @@ class Watch(DenseOracle):
 
     def report(self, fired: list[dict], exits) -> dict:
         self._check_stalls(fired, exits)
+        accounting.check_exits(self, exits)
+        accounting.check_gc(self, fired)
         rss = self._check_rss()
         disk = self._check_disk()
         kinds: dict[str, int] = {}
@@ -327,7 +330,7 @@ class Watch(DenseOracle):
             "verified_applies": self.verified,
             "dense_samples": self.samples,
             "faults": {"fired": len(fired), "by_kind": kinds, "rows": fired, "recoveries": recov},
-            "exits": [{"t": round(e.t - self.t0, 1), "process": e.name, "rc": e.rc, "fault": e.killed_by_fault,
+            "exits": [{"t": round(e.t - self.t0, 1), "process": e.name, "rc": e.rc, "cause": e.cause,
                        "tail": e.tail[-400:]} for e in exits],
             "trainer_starts": len(steps_per_start), "gc": self.gc_runs, "rss": rss, "disk": disk,
             "convergence": self.convergence, "stall": self.stall,
@@ -484,5 +487,10 @@ def table(rep: dict) -> str:
     lines.append("")
     lines.append(f"convergence: {rep['convergence']}; disk: peak {rep['disk'].get('peak_bytes_after_warmup', 0):,} "
                  f"bytes (bound {rep['disk'].get('bound_bytes', 0):,})")
+    causes: dict[str, int] = {}
+    for e in rep["exits"]:
+        causes[e["cause"] or "unexplained"] = causes.get(e["cause"] or "unexplained", 0) + 1
+    lines.append("exits: " + (", ".join(f"{n} {c}" for c, n in sorted(causes.items())) or "none")
+                 + " (fault: a kill or stop of that process; soak: its own stop; start: the harness's start)")
     lines.append(f"violations: {len(rep['violations'])}")
     return "\n".join(lines)

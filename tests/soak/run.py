@@ -218,12 +218,14 @@ class Soak:
         with self.sup.lock:
             if f.kind == "kill" and f.target == "trainer":
                 invariants.kill_one_rank(p)
-                p.fault_kill_at, p.down_until = now, now + f.hold_s
+                p.hit()
+                p.down_until = now + f.hold_s
                 self._undo.append((now + f.hold_s, lambda: None, row))
             elif f.kind == "kill":
                 p.kill(f.hold_s)
                 self._undo.append((now + f.hold_s, lambda: None, row))
             elif f.kind == "stop":
+                p.hit()
                 p.signal(signal.SIGSTOP)
                 p.stopped = True
                 self._undo.append((now + f.hold_s, lambda p=p: (p.signal(signal.SIGCONT),
@@ -333,8 +335,10 @@ class Soak:
 
     def report(self, wall_s: float) -> dict:
         r = self.watch.report(self.fired, self.sup.exits)
+        from nemo_dcr_callback.bench.results import machine
+
         r.update({"seed": self.cfg.seed, "config": asdict(self.cfg), "wall_s": round(wall_s, 1),
-                  "schedule": schedule.as_json(self.faults), "workdir": str(self.dir)})
+                  "schedule": schedule.as_json(self.faults), "workdir": str(self.dir), "machine": machine()})
         return r
 
 
