@@ -13,11 +13,18 @@ The overhead comes with a 90% bootstrap interval over the pairs of runs.
 block of K steps (NEMO_DCR_BENCH_ALTERNATE), and the blocks with it are compared with the
 blocks without it, seconds apart, so the host's drift between runs drops out (no CPU split
 by role in this mode).
+
+`--store s3` publishes to a SeaweedFS S3 server the benchmark starts on this host (each run
+its own prefix) instead of the default file store in the run folder: the production case,
+where `dcr.context=auto` keeps the worker's mirror. The server's CPU is shared with the
+training here, as it would not be with a remote store, so this is an upper bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import itertools
 import os
 import shutil
 import statistics
@@ -29,6 +36,41 @@ from pathlib import Path
 from nemo_dcr_callback.bench import procstat
 from nemo_dcr_callback.bench.results import machine, write_json
 from nemo_dcr_callback.launcher import torchrun_cmd
+
+STORES = ("file", "s3")
+
+
+@contextlib.contextmanager
+def _stores(kind: str):
+    """A function giving each run its store: (Hydra overrides, environment). file: the
+    recipe's default (a fresh store in each run's folder); s3: a prefix of its own on one
+    SeaweedFS server that lives as long as the benchmark."""
+    if kind not in STORES:
+        raise ValueError(f"--store {kind}: one of {', '.join(STORES)}")
+    if kind == "file":
+        yield lambda: ([], {})
+        return
+    from nemo_dcr_callback.protocol import commit
+    from nemo_dcr_callback.transport.seaweed import SeaweedS3
+
+    work = Path(tempfile.mkdtemp(prefix="nemo-dcr-overhead-s3."))
+    n = itertools.count(1)
+    prefixes: list[str] = []
+
+    def next_store() -> tuple[list[str], dict[str, str]]:
+        prefixes.append(f"run-{next(n)}")
+        # quoted: Hydra's override grammar takes the URL's ? and : otherwise
+        return [f"dcr.store='{s3.url(f'{s3.bucket}/{prefixes[-1]}')}'"], s3.env()
+
+    try:
+        with SeaweedS3(work) as s3:
+            yield next_store
+            # the figure is the S3 store's only if the runs published there
+            empty = [p for p in prefixes if not commit.list_versions(s3.store(p))]
+            if empty:
+                raise RuntimeError(f"bench overhead --store s3: no versions in {empty}: the runs did not publish to S3")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _role(cmd: str) -> str:
@@ -46,7 +88,7 @@ def step_metrics(run_dir: Path) -> tuple[list[dict], dict[int, float]]:
 
 
 def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], warmup: int = 3,
-         alternate: int = 0) -> tuple[list[float], dict, dict[int, float]]:
+         alternate: int = 0, env: dict[str, str] | None = None) -> tuple[list[float], dict, dict[int, float]]:
     """Step times of one run, and its CPU per step by role (trainers, workers, the host's idle
     CPU) from the start of step `warmup` to the start of the last step (rank 0 prints when each
     step starts), read from /proc while it trains."""
@@ -60,7 +102,7 @@ def _run(tp: int, pp: int, steps: int, with_callback: bool, extra: list[str], wa
                                  *extra])
     with open(run_dir / "launch.log", "w+") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, STEP_CLOCK_ENV: "1",
+                             env={**os.environ, **(env or {}), STEP_CLOCK_ENV: "1",
                                   **({ALTERNATE_ENV: str(alternate)} if alternate else {})})
         samples = []
         while p.poll() is None:
@@ -105,14 +147,15 @@ def _blocks(by_step: dict[int, float], k: int, skip: int = 2) -> list[dict[bool,
     return [{True: blocks[j + 1], False: blocks[j]} for j in sorted(blocks) if j % 2 and j + 1 in blocks]
 
 
-def _run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str]) -> dict:
+def _run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str], store) -> dict:
     """Runs that publish in every other block of k steps, compared block pair by block pair."""
     pairs: list[dict[bool, list[float]]] = []
     per_run = []
     for i in range(runs):
         print(f"nemo-dcr bench overhead: run {i + 1}/{runs}, the callback on in every other block of {k} steps ...",
               flush=True)
-        _, _, by_step = _run(tp, pp, steps, True, extra, alternate=k)
+        over, env = store()
+        _, _, by_step = _run(tp, pp, steps, True, [*over, *extra], alternate=k, env=env)
         ps = _blocks(by_step, k)
         if not ps:
             raise RuntimeError(f"no pair of blocks in {steps} steps with blocks of {k}: pass more --steps")
@@ -149,19 +192,31 @@ def _bootstrap(runs: list[dict[bool, list[float]]], n: int = 2000, seed: int = 0
 
 
 def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int = 3, json_path: str | None = None,
-        extra: list[str] | None = None, alternate: int = 0) -> dict:
+        extra: list[str] | None = None, alternate: int = 0, store: str = "file") -> dict:
     extra = extra or []
     if alternate < 0:
         raise ValueError(f"--alternate {alternate}: a block length (steps), or 0 for separate runs")
-    if alternate:
-        return run_alternate(tp, pp, steps, pairs, alternate, extra, json_path)
+    with _stores(store) as next_store:
+        if alternate:
+            out = run_alternate(tp, pp, steps, pairs, alternate, extra, next_store)
+        else:
+            out = _run_pairs(tp, pp, steps, pairs, warmup, extra, next_store)
+    out["store"] = store
+    if json_path:
+        write_json(json_path, out)
+    return out
+
+
+def _run_pairs(tp: int, pp: int, steps: int, pairs: int, warmup: int, extra: list[str], store) -> dict:
+    """Separate runs with and without the callback, in pairs whose order alternates."""
     runs: list[dict[bool, list[float]]] = []  # per pair: step times with / without
     cpu: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(pairs):
         runs.append({})
         for cb in (True, False) if i % 2 == 0 else (False, True):
             print(f"nemo-dcr bench overhead: {'with' if cb else 'without'} the callback ...", flush=True)
-            times, c, _ = _run(tp, pp, steps, cb, extra, warmup)
+            over, env = store()
+            times, c, _ = _run(tp, pp, steps, cb, [*over, *extra] if cb else extra, warmup, env=env)
             runs[-1][cb] = times[warmup:]
             cpu[cb].append(c)
     a, b = _medians(runs)
@@ -187,12 +242,10 @@ def run(tp: int = 2, pp: int = 2, steps: int = 30, pairs: int = 2, warmup: int =
         m = med(cb)
         print(f"CPU per step {'with' if cb else 'without'} the callback (ms, median of runs): "
               + ", ".join(f"{k} {v:.0f}" for k, v in m.items()))
-    if json_path:
-        write_json(json_path, out)
     return out
 
 
-def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str], json_path: str | None) -> dict:
+def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[str], store) -> dict:
     """`--alternate K`: the overhead from steps with and without publishing inside the same
     runs, K-step blocks apart, so the host's drift between runs (a pair of separate runs moved
     by -3% to +16% on one afternoon here) does not enter the comparison."""
@@ -200,7 +253,7 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
         raise ValueError(f"--alternate {k}: blocks need at least 3 steps (the first 2 of each are left out)")
     if steps < 3 * k:  # block 0 is start-up; a pair is an off block and the on block after it
         raise ValueError(f"--steps {steps}: --alternate {k} needs at least {3 * k} steps per run")
-    res = _run_alternate(tp, pp, steps, runs, k, extra)
+    res = _run_alternate(tp, pp, steps, runs, k, extra, store)
     pairs = res["pairs"]
     a, b = _medians(pairs)
     n_on, n_off = sum(len(p[True]) for p in pairs), sum(len(p[False]) for p in pairs)
@@ -208,7 +261,8 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
     out = {"benchmark": "overhead", "mode": f"alternate blocks of {k} steps", "tp": tp, "pp": pp, "steps": steps,
            "runs": runs, "extra": extra, "median_step_ms_with": a, "median_step_ms_without": b,
            "overhead": a / b - 1, "overhead_ci90": [lo, hi], "per_run_overhead": res["per_run"],
-           "block_pairs": len(pairs), "samples_with": n_on, "samples_without": n_off, "target": 0.05,
+           "median_per_run": statistics.median(res["per_run"]), "block_pairs": len(pairs),
+           "samples_with": n_on, "samples_without": n_off, "target": 0.05,
            "machine": machine(),
            # every measured step, so that runs of the same code can be pooled later
            "pairs": [{"on": p[True], "off": p[False]} for p in pairs]}
@@ -216,6 +270,4 @@ def run_alternate(tp: int, pp: int, steps: int, runs: int, k: int, extra: list[s
           f"pairs of {k}-step blocks, {runs} runs, TP {tp} x PP {pp} on CPU\n"
           f"  90% interval over block pairs (bootstrap) {100 * lo:+.1f}% .. {100 * hi:+.1f}%; per run: "
           + " ".join(f"{100 * x:+.1f}%" for x in res["per_run"]))
-    if json_path:
-        write_json(json_path, out)
     return out

@@ -4,9 +4,10 @@ Sender and SeaweedFS (S3) in the root network namespace; the receiver in its own
 joined by a veth pair shaped with tc tbf (default 100 Mbit/s each way), so the link, not the
 delta computation, is the bottleneck, as between regions. A synthetic BF16 policy (default
 ~0.5G params = 1 GB) takes versions at 1, 3 and 5% change (--repeats versions each), of two
-kinds (DELTAS): AdamW-like steps of fp32 masters (`rows`), then the same rates at uniformly
-random positions (`rows_by_deltas["uniform"]`); the table shows each rate's median version,
-`versions` every one. For each step the DCR refit is timed from the end of the optimizer step
+kinds (DELTAS), interleaved version by version: AdamW-like steps of fp32 masters (`rows`) and,
+as the same run's control, the same rates at uniformly random positions
+(`rows_by_deltas["uniform"]`); the table shows each rate's median version, `versions` every
+one. For each step the DCR refit is timed from the end of the optimizer step
 (BF16 weights ready) to the receiver's verified apply (every chunk checked, joint commit,
 digests checked after applying). Each version's deltas are also encoded again off the path
 with context coding, to show what share of the plain and of the context codec's ratio the
@@ -108,6 +109,23 @@ def _ctx_share(taken, cur: dict[str, torch.Tensor]) -> tuple[int, int]:
     return plain, ctx
 
 
+def absorb(policy, prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> None:
+    """Move the fp32 masters onto a uniform version's BF16 values, so that the next AdamW-like
+    version's delta is that step's alone (not also the uniform one undone). Each moved value
+    keeps its offset below the BF16 grid (master + the BF16 step) where that still rounds to
+    the new value, so the next step's change rate stays the calibrated one."""
+    for k, m in policy.master.items():
+        old, new = prev[k].reshape(-1), cur[k].reshape(-1)
+        moved = (old.view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
+        if not moved.numel():
+            continue
+        flat = m.view(-1)
+        target = new[moved].float()
+        shifted = flat[moved] + (target - old[moved].float())
+        keep = shifted.to(torch.bfloat16).view(torch.int16) == new[moved].view(torch.int16)
+        flat[moved] = torch.where(keep, shifted, target)
+
+
 def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int = 1 << 20,
         json_path: str | None = None, seed: int = 0, apply: str = "sealed", repeats: int = 3,
         deltas: tuple[str, ...] = DELTAS, context_share: bool = True, context: str = "auto",
@@ -127,8 +145,10 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
     cur = policy.bf16()
     dense_bytes = sum(t.numel() * t.element_size() for t in cur.values())
     lrs = [policy.lr_for_rate(r) for r in rates] if "adamw" in deltas else [0.0] * len(rates)
-    plan = [(kind, rate, lr) for kind in deltas for rate, lr in zip(rates, lrs, strict=True)
-            for _ in range(repeats)]  # versions in order
+    # versions in order: each rate's repeats with the kinds interleaved (adamw, uniform, adamw,
+    # ...), so that a drift of the host's speed during the run moves both kinds alike
+    plan = [(kind, rate, lr) for rate, lr in zip(rates, lrs, strict=True) for _ in range(repeats)
+            for kind in deltas]
     work = Path(tempfile.mkdtemp(prefix="nemo-dcr-refit."))
     init = work / "init.safetensors"
     save_file(cur, str(init))
@@ -152,6 +172,8 @@ def run(params: int = 1 << 29, mbit: float = 100.0, rates=RATES, part_bytes: int
                 cur = policy.bf16()
             else:
                 cur = ulp_step(prev, rate, seed=seed + v)
+                if "adamw" in deltas:
+                    absorb(policy, prev, cur)
             t0 = time.time()  # end of the optimizer step: the BF16 weights are there
             sender.tensors = cur
             taken, m = sender.stream(store, v, v - 1, part_bytes=part_bytes)  # kernel + encode + upload

@@ -13,25 +13,31 @@ RESULTS = Path("benchmarks") / "results"
 
 def machine() -> dict:
     """Where a benchmark ran, recorded beside its figures (the host's speed drifts; compare
-    runs only side by side): CPU model, cores, GPU (or none), Python, torch, compiled kernels."""
+    runs only side by side): CPU model, its vector extensions, cores, GPU (or none), Python,
+    torch, compiled kernels, and the date (UTC)."""
+    import datetime
     import platform
 
     import torch
 
     from nemo_dcr_callback.core import kernels
 
-    cpu = "unknown"
+    cpu, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    # the kernels' speed follows these more than the model name (two "AMD EPYC" VMs here differ)
+    simd = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vbmi2", "amx_tile") if f in flags]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
+    return {"cpu": cpu, "simd": simd, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
             "torch": torch.__version__, "native_kernels": kernels.native() is not None,
-            "free_page_reporting": free_page_reporting()}
+            "free_page_reporting": free_page_reporting(),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")}
 
 
 def free_page_reporting() -> bool | None:

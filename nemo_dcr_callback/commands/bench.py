@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from pathlib import Path
 
 from nemo_dcr_callback.commands.base import Command, positive, rates
 
@@ -81,13 +82,16 @@ def _overhead_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alternate", type=int, default=0, metavar="K",
                    help="instead of runs with and without the callback: runs that publish in every other "
                         "block of K steps, compared block by block (default 0: separate runs)")
+    p.add_argument("--store", choices=["file", "s3"], default="file",
+                   help="where the callback publishes: the run folder's file store (default), or an S3 server "
+                        "(SeaweedFS) the benchmark starts on this host, as in production")
 
 
 def _overhead(args: argparse.Namespace) -> int:
     from nemo_dcr_callback.bench import overhead  # start-up cost: only when this benchmark runs
 
     overhead.run(args.tp, args.pp, args.steps, args.pairs, json_path=args.json, extra=list(args.extra),
-                 alternate=args.alternate)
+                 alternate=args.alternate, store=args.store)
     return 0
 
 
@@ -298,6 +302,20 @@ def _e2e(args: argparse.Namespace) -> int:
     return 0 if res["met"]["bit_exact"] else 1
 
 
+# -------------------------------------------------------------------- headline
+def _headline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", default="benchmarks/results", help="the folder of result files")
+    p.add_argument("--markdown", action="store_true", help="the table docs/PERFORMANCE.md carries")
+    p.add_argument("--json", default=None, help="write the results here (benchmarks/results/headline.json)")
+
+
+def _headline(args: argparse.Namespace) -> int:
+    from nemo_dcr_callback.bench import headline  # start-up cost: only when this command runs
+
+    headline.run(Path(args.results), json_path=args.json, md=args.markdown)
+    return 0
+
+
 COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
     Command("codec", "codec ratio and speed vs simple schemes and the bound", _codec, _codec_arguments),
     Command("placement", "map building and projection speed (launches torchrun)", _placement,
@@ -317,6 +335,8 @@ COMMAND = Command("bench", "benchmarks", dest="bench", subcommands=(
     Command("relay", "fan-out to 2 regions x 4 receivers: dense/DCR via S3 vs relay tree (root)", _relay,
             _relay_arguments),
     Command("cuda", "CUDA kernels: check vs the CPU reference, time vs a device copy (GPU)", _cuda, _cuda_arguments),
+    Command("headline", "the quoted figures: each the median of its runs, with spread, files, date, machine",
+            _headline, _headline_arguments),
     Command("e2e", "a training step publishing and a receiver applying on one device (GPU; CPU: dry run)", _e2e,
             _e2e_arguments),
 ))

@@ -289,9 +289,10 @@ def _host_cpu_floor(inp: PlanInput, co: Coefficients, D: float, P: float) -> flo
 
 
 # ------------------------------------------------------------------ validation against our runs
-# Benchmark runs that derive() never reads: configurations the calibration did not see (another
-# model size, link rate and change rate), so their rows test the model rather than its fit.
-HELD_OUT = ("refit_holdout.json",)
+# Benchmark runs that derive() never reads, so their rows test the model rather than its fit:
+# the other runs of `make bench-refit` (the same configuration, another run of the host), and a
+# configuration the calibration did not see (another model size, link rate and change rate).
+HELD_OUT = ("refit_run2.json", "refit_run3.json", "refit_holdout.json")
 
 
 def _run_context(run: dict) -> str:
@@ -335,7 +336,9 @@ def validation_cases(results: Path = RESULTS, co: Coefficients | None = None
     for name in HELD_OUT:
         if (results / name).exists():
             held = json.loads((results / name).read_text())
-            out += _refit_cases(held, put, f"{held['params'] / 1e6:.0f}M {held['link_mbit']:.0f} Mbit/s ", True)
+            label = (f"{held['params'] / 1e6:.0f}M {held['link_mbit']:.0f} Mbit/s " if name == "refit_holdout.json"
+                     else f"{name.removesuffix('.json').replace('refit_', '')} ")
+            out += _refit_cases(held, put, label, True)
     return out
 
 

@@ -104,11 +104,12 @@ def test_context_share_is_what_makes_the_refit_shortest():
     """on carries the context codec's bytes and pays its walks (the encoder's over the shard,
     every receiver's over the model); auto takes the share with the shortest refit, so it is
     never slower than either. A receiver with few cores on a fast link gains nothing from it;
-    on a slow link the link's saving wins. Bad modes are refused."""
+    on a slow enough link (2 MB/s: where it lies moves with the measured context rates;
+    12.5 MB/s sufficed on the AVX-512 machines) the link's saving wins. Bad modes are refused."""
     co = planner.Coefficients.load()
     assert co.ctx_ratio and co.ctx_ratio[0.03] > co.ratio[0.03] and "codec.json" in co.sources[
         "ctx_ratio, ctx_encode, ctx_decode"]
-    slow = planner.PlanInput(1e9, 0.03, link_MBps=12.5, transport="s3", receivers=1)
+    slow = planner.PlanInput(1e9, 0.03, link_MBps=2.0, transport="s3", receivers=1)
     by = {m: planner.plan(planner.PlanInput(**{**slow.__dict__, "context": m}), co) for m in ("off", "on", "auto")}
     assert by["on"]["payload_bytes"] == pytest.approx(2e9 / planner._interp(co.ctx_ratio, 0.03))
     assert by["on"]["breakdown_s"]["decode"] > by["off"]["breakdown_s"]["decode"]
