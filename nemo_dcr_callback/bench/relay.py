@@ -143,14 +143,17 @@ def _client_main(args: list[str]) -> int:
 
 
 def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, clients: int = 3,
-                     reps: int = 3, trials_n: int = 3) -> dict:
+                     reps: int = 3, trials_n: int = 3, start_delay_s: float = 5.0) -> dict:
     """One relay serving cached objects to concurrent clients over loopback: MB/s out. The
     serving path is the same for every object (cache lookup, at-rest checksum, response);
-    chunk verification happens once, on the way in, so plain objects stand in for parts."""
+    chunk verification happens once, on the way in, so verification copies of a model (a key
+    kind of the protocol whose bytes are not parsed) stand in for parts: a relay serves only
+    the protocol's keys, and random bytes under a part's key are refused as corrupt."""
+    from nemo_dcr_callback.protocol.keys import verify_key
     from nemo_dcr_callback.transport.store import FileStore
 
     origin = FileStore(work / "loopback-origin")
-    keys = [f"bench/part-{i:04d}.bin" for i in range(parts)]
+    keys = [verify_key(i) for i in range(parts)]
     for k in keys:
         origin.put(k, os.urandom(part_mb << 20), durable=False)
     proc, url = _start_relay(None, "127.0.0.1", origin.url, "loopback", env, work)
@@ -161,7 +164,7 @@ def relay_throughput(work: Path, env: dict, parts: int = 64, part_mb: int = 4, c
         json.loads(warm.stdout)
         trials = []
         for _ in range(trials_n):
-            start = time.time() + 5.0  # after the clients' start-up (not part of the figure)
+            start = time.time() + start_delay_s  # after the clients' start-up (not part of the figure)
             cs = [subprocess.Popen([sys.executable, "-m", "nemo_dcr_callback.bench.relay", "client", base,
                                     json.dumps(keys), str(reps), str(start)], env=env, stdout=subprocess.PIPE,
                                    text=True) for _ in range(clients)]

@@ -39,3 +39,16 @@ def test_a_single_round_is_kept_as_it_was():
     one = _result("dcr-relay", [0.7, 0.8], 104)
     merged = _merge_rounds([one])
     assert merged == [{**one, "round_time_s": [one["time_s"]]}]
+
+
+def test_the_loopback_trial_is_served_by_a_real_relay(tmp_path):
+    """The loopback trial (no root needed) against a real `nemo-dcr relay`: it broke once a
+    relay served only the protocol's keys, and `make bench-relay` found it only at its end."""
+    import os
+
+    from nemo_dcr_callback.bench.relay import TOKEN_ENV, relay_throughput
+
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "PYTHONUNBUFFERED": "1"}
+    got = relay_throughput(tmp_path, env, parts=3, part_mb=1, clients=2, reps=1, trials_n=1,
+                           start_delay_s=2.0)
+    assert got["trials"][0]["bytes"] == 2 * 3 * (1 << 20) and got["MB_per_s"] > 0
