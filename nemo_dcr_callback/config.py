@@ -159,6 +159,9 @@ class DCRConfig:
     verify: bool = False  # check every version bit for bit against the dense export (slow)
     seal_timeout: float = PublisherConfig.seal_timeout  # seconds rank 0 waits for every rank's manifest
     store_patience_s: float = PublisherConfig.store_patience_s  # seconds a failing store is retried
+    # at an exception or a SIGTERM: seconds to wait for undecided versions (the next start aborts
+    # the rest); within a launcher's grace before its SIGKILL (torchrun: 30 s)
+    stop_timeout_s: float = 5.0
     commit_policy: str = CommitPolicy.mode  # wait | abort | quorum: what to do about slow or refusing receivers
     ack_timeout: float = CommitPolicy.timeout  # seconds the committer waits for receivers' acks
     quorum: float = CommitPolicy.quorum  # quorum policy: fraction of registered receivers that must ack
@@ -180,6 +183,8 @@ class DCRConfig:
             raise ValueError("keyframe_every must be >= 0")
         if self.export_every < 0:
             raise ValueError("export_every must be >= 0")
+        if self.stop_timeout_s < 0:
+            raise ValueError(f"stop_timeout_s must be >= 0, not {self.stop_timeout_s}")
         check_baseline_option(self.baseline)
         self.publisher_config()
 

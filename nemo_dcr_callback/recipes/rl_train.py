@@ -226,6 +226,7 @@ def run(cfg: DictConfig, run_dir: str) -> None:
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig
+    from nemo_dcr_callback.recipes.stop import StopConfig, StopOnSignal, fit
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not cfg.rl.rollouts:
@@ -236,12 +237,14 @@ def run(cfg: DictConfig, run_dir: str) -> None:
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size, lr=cfg.optimizer.lr,
         family=cfg.dcr.family, micro_batches=cfg.data.micro_batches, seed=cfg.trainer.seed,
         rollouts=cfg.rl.rollouts, max_staleness=cfg.rl.max_staleness, rollout_timeout=cfg.rl.rollout_timeout)
-    callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
+    # the stop last: it ends the run after the step's callbacks (the DCR publish) have run
+    stop = StopOnSignal(StopConfig(cfg.trainer.get("stop_grace_s", StopConfig.grace_s)))
+    callbacks = [*(hydra.utils.instantiate(c) for c in cfg.trainer.callbacks), stop]
     device = torch.device("cuda", le.local_rank) if torch.cuda.is_available() else "cpu"
     trainer = L.Trainer(strategy=SingleDeviceStrategy(device=device), max_steps=cfg.trainer.max_steps, max_epochs=1,
                         callbacks=callbacks, default_root_dir=run_dir, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module)
+    fit(trainer, module, stop)
 
 
 if __name__ == "__main__":

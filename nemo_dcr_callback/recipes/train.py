@@ -48,6 +48,7 @@ def run(cfg: DictConfig, run_dir: str) -> None:
 
     from nemo_dcr_callback.recipes.lightning_gpt import MegatronGPTModule
     from nemo_dcr_callback.recipes.megatron_model import TinyGPTConfig
+    from nemo_dcr_callback.recipes.stop import StopConfig, StopOnSignal, fit
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     module = MegatronGPTModule(
@@ -60,7 +61,9 @@ def run(cfg: DictConfig, run_dir: str) -> None:
         micro_batches=cfg.data.micro_batches, micro_batch_size=cfg.data.micro_batch_size, seed=cfg.trainer.seed,
         checkpoint_dir=cfg.trainer.get("checkpoint_dir"), checkpoint_every=cfg.trainer.get("checkpoint_every", 0),
         min_step_s=cfg.trainer.get("min_step_s", 0.0))
-    callbacks = [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks]
+    # the stop last: it ends the run after the step's callbacks (the DCR publish) have run
+    stop = StopOnSignal(StopConfig(cfg.trainer.get("stop_grace_s", StopConfig.grace_s)))
+    callbacks = [*(hydra.utils.instantiate(c) for c in cfg.trainer.callbacks), stop]
     device = torch.device("cuda", le.local_rank) if torch.cuda.is_available() else "cpu"
     trainer_cls = L.Trainer
     if cfg.trainer.get("cls", "lightning") == "nemo":  # NeMo 2's trainer (pip install nemo-dcr-callback[nemo])
@@ -77,7 +80,7 @@ def run(cfg: DictConfig, run_dir: str) -> None:
     if le.rank == 0:
         print(f"trainer: {type(trainer).__module__}.{type(trainer).__qualname__} "
               f"(launcher: {le.launcher}, {le.world_size} ranks)", flush=True)
-    trainer.fit(module)
+    fit(trainer, module, stop)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ class DCRCallback(Callback):
         pub_cfg = replace(self.cfg.publisher_config(), resume=resuming)
         self.publisher = Publisher(model, family=family, vocab_size=vocab, store=store, config=pub_cfg)
         self._offset = self.publisher.version_offset  # versions continue after the store's newest
+        # a step blocked on back-pressure leaves on SIGTERM (Lightning's flag) rather than wait
+        self.publisher.stop_requested = lambda: bool(getattr(trainer, "received_sigterm", False))
         if resuming and self.cfg.verify and rank == 0:
             last = self.publisher.resumed_from
             self._verifier = Replica(store, reconstruct(store, last), version=last)
@@ -203,13 +205,16 @@ class DCRCallback(Callback):
         return self._offset + self.steps - self.steps % self.cfg.every_n_steps
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Every queued version decided, unless the end is a stop (SIGTERM): then at most
+        stop_timeout_s."""
         if self.publisher is not None:
-            self.publisher.close()
+            stopping = bool(getattr(trainer, "received_sigterm", False))
+            self.publisher.close(self.cfg.stop_timeout_s if stopping else None)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.publisher is not None:
             try:
-                self.publisher.close()
+                self.publisher.close(self.cfg.stop_timeout_s)
             except Exception:  # noqa: BLE001 - the training exception is the one to report
                 pass
 

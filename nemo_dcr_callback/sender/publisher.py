@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -34,6 +35,7 @@ from nemo_dcr_callback.config import PublisherConfig
 from nemo_dcr_callback.placement import Family, Placement, build_placement
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import reconstruct
+from nemo_dcr_callback.protocol.store import StoreError
 from nemo_dcr_callback.sender.messages import Decided, Failed, Job, PublishStats, Ready, Report, Reset, Stop
 from nemo_dcr_callback.sender.shard import ShardSender, context_possible
 from nemo_dcr_callback.sender.shm import Arena, ShmPool, pack
@@ -41,9 +43,15 @@ from nemo_dcr_callback.sender.worker import DECISION_MAX_POLL_S, DECISION_POLL_S
 from nemo_dcr_callback.transport.patient import PatientStore
 from nemo_dcr_callback.transport.store import open_store
 
-__all__ = ["DECISION_MAX_POLL_S", "DECISION_POLL_S", "PublishStats", "Publisher", "PublisherConfig"]
+__all__ = ["DECISION_MAX_POLL_S", "DECISION_POLL_S", "PublishStats", "Publisher", "PublisherConfig", "Stopping"]
 
 STATS_KEPT = 10_000  # versions whose figures a Publisher keeps (history, aborted; stats/ at close)
+
+
+class Stopping(RuntimeError):
+    """A stop was asked for (SIGTERM) while a step waited for room in the queue: the step is
+    not published, and the trainer leaves instead of waiting on decisions that may never come
+    (a peer rank dead, the store down)."""
 
 
 class Publisher:
@@ -97,6 +105,8 @@ class Publisher:
         # the newest STATS_KEPT versions' figures (committed; aborted): a run publishes for days
         self.history: deque[PublishStats] = deque(maxlen=STATS_KEPT)
         self.aborted: deque[PublishStats] = deque(maxlen=STATS_KEPT)
+        # set by the trainer (the callback: Lightning's SIGTERM flag); a back-pressure wait checks it
+        self.stop_requested: Callable[[], bool] = lambda: False
         self._process = cfg.worker == "process"
         self._shm = ShmPool() if self._process else None
         self._arena = Arena(self.sender) if self._process and Arena.usable(self.sender) else None
@@ -169,6 +179,9 @@ class Publisher:
         size = sum(d.count * (d.positions.element_size() + 2 * d.xor.element_size()) for _, d in taken)
         while (self._undecided()
                and self._pending + size > self.max_pending):  # back-pressure
+            if self.stop_requested():
+                raise Stopping(f"dcr rank {self.rank}: a stop was asked for while version {version} waited for "
+                               f"room in the queue ({len(self._inflight)} versions undecided); not published")
             self._drain(block=True, timeout=1.0, defer_aborts=self._agreeing and self.rank != 0)
         self._raise()
         self._inflight[version] = size
@@ -213,21 +226,43 @@ class Publisher:
             self._drain(block=True, timeout=1.0)
         self._raise()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Flush, stop the worker and leave this rank's per-version figures in the store
-        (stats/rank-NNNNN.json: kernel, encode, upload, seal and commit times, bytes, changes)."""
+        (stats/rank-NNNNN.json: kernel, encode, upload, seal and commit times, bytes, changes).
+
+        timeout: at an exception or a stop, how long to wait for undecided versions. A peer
+        rank that died never seals its part, so a full flush waited out the seal timeout per
+        version while the launcher's SIGKILL came first (the chaos soak: 30 s per trainer kill).
+        Versions left undecided are aborted by the next start (commit.resume_point); nothing
+        the receivers hold depends on them."""
+        left: list[int] = []
         try:
-            self.flush()
+            try:
+                self.flush(timeout)
+            except TimeoutError:
+                left = sorted(self._inflight)
+                print(f"dcr rank {self.rank}: {len(left)} version(s) undecided after {timeout:.0f} s "
+                      f"({left[0]}..{left[-1]}): left to the next start, which aborts them", flush=True)
         finally:
             self._jobs.put(Stop())
-            self._worker.join(timeout=30)
+            self._worker.join(timeout=30 if timeout is None else max(1.0, timeout / 4))
+            if self._worker.is_alive() and hasattr(self._worker, "kill"):
+                self._worker.kill()  # (mid-commit: the decision is the store's, the next start reads it)
+                self._worker.join(5)
             if self._shm is not None:
                 self._inflight.clear()
                 self.sender.undo_log.clear()  # (its deltas view the segments freed below)
                 if self._arena is not None:
                     self._arena.close()
                 self._shm.close()
-        self.store.put(keys.stats_key(self.rank), json.dumps([asdict(h) for h in self.history]).encode())
+        stats = json.dumps([asdict(h) for h in self.history]).encode()
+        if timeout is None:
+            self.store.put(keys.stats_key(self.rank), stats)
+            return
+        try:  # leaving in a hurry: once, without the store's patience
+            self.store.store.put(keys.stats_key(self.rank), stats)
+        except StoreError as exc:
+            print(f"dcr rank {self.rank}: figures not written at exit ({exc})", flush=True)
 
     def _roll_back(self, version: int) -> None:
         """Restore the baselines to before `version`: undo it and every later in-flight one."""

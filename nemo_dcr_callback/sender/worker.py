@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -175,8 +176,10 @@ class _Worker:
             else:
                 d = commit.decide(self.store, version, base, "abort", [], [], f"base version {base} was aborted")
         else:  # off the refit's path (receivers read the decision themselves): poll gently,
-            # each poll is CPU taken from training on a busy host
-            d = commit.await_decision(self.store, version, spec.seal_timeout + spec.policy.timeout + 60,
+            # each poll is CPU taken from training on a busy host. Rank 0 may wait out a store
+            # outage first (its patience): a shorter wait failed rank 1 while rank 0 rode one out
+            wait_s = spec.seal_timeout + spec.policy.timeout + spec.store_patience_s + 60
+            d = commit.await_decision(self.store, version, wait_s,
                                       poll=DECISION_POLL_S, max_poll=DECISION_MAX_POLL_S)
         st.commit_s = time.perf_counter() - t0 - st.seal_s
         st.decision, st.reason = d["decision"], d["reason"]
@@ -220,6 +223,10 @@ def run_worker(spec: WorkerSpec, jobs, results) -> None:
     own_process = threading.current_thread() is threading.main_thread()  # else a thread of the trainer's
     if own_process:  # (in a thread these would set the trainer's intra-op threads and freeze its objects)
         torch.set_num_threads(1)
+        # a SIGTERM to the job's process group is the trainer's to act on: it flushes through
+        # this worker, then stops it (Publisher.close); orphaned, it leaves on its own (upload_stage)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     # an outage shorter than the patience holds the uploads (and, through the memory budget,
     # the trainer) instead of failing versions until training stops
     store = PatientStore(open_store(spec.store_url), spec.store_patience_s, who=f"dcr rank {spec.rank}")

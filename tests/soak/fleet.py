@@ -313,3 +313,50 @@ def can_mount_tmpfs() -> bool:
         subprocess.run(["umount", str(probe)], check=False)
     probe.rmdir()
     return ok
+
+
+# the trainer's stated stop time (trainer.stop_grace_s, recipes/stop.py), and torchrun's exit
+STOP_WITHIN_S = 25.0
+
+
+def training_ranks(p: Proc) -> list[int]:
+    """The training ranks of a torchrun instance (not the launcher, not their workers)."""
+    ranks = []
+    for pid in p.track():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "recipes.train" in cmd and "torch.distributed.run" not in cmd:
+            ranks.append(pid)
+    return ranks
+
+
+def kill_one_rank(p: Proc) -> None:
+    """SIGKILL one training rank (torchrun then stops the other and exits); the whole tree if
+    none is up yet (a restart under way)."""
+    ranks = training_ranks(p)
+    if ranks:
+        os.kill(max(ranks), signal.SIGKILL)
+    else:
+        p.signal(signal.SIGKILL)
+
+
+def stop_trainer(p: Proc, within_s: float) -> bool | str:
+    """SIGTERM to each rank, as a scheduler's preemption: torchrun exits 0 once they all did.
+    True if it did within within_s; else what happened (it is then killed)."""
+    for pid in training_ranks(p):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    launcher, t0 = p.popen, time.monotonic()  # (the supervisor may drop p.popen once it exited)
+    if launcher is None:
+        return True
+    while launcher.poll() is None and time.monotonic() - t0 < within_s:
+        time.sleep(0.1)
+    if launcher.poll() is None:
+        p.signal(signal.SIGKILL)
+        return f"was still running {within_s:.0f} s later (killed)"
+    rc = launcher.returncode
+    return True if rc == 0 else f"exited with rc {rc} after {time.monotonic() - t0:.1f} s"

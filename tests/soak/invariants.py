@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from nemo_dcr_callback.protocol import commit
 from tests.soak import accounting
+from tests.soak.fleet import STOP_WITHIN_S, stop_trainer
 from tests.soak.oracle import DenseOracle
 
 RSS_GROWTH = 0.10
@@ -45,23 +44,6 @@ STALL_SLACK_S = 10.0
 RECEIVERS = ("rx-hf", "rx-s3", "rx-dir", "rx-fp8")
 # the receivers a fault on each part reaches (the rest: all of them)
 BEHIND = {"relay-region": ("rx-hf", "rx-dir"), "relay-root": ("rx-hf", "rx-dir", "rx-fp8", "rx-vllm")}
-
-
-def kill_one_rank(p) -> None:
-    """SIGKILL one training rank (torchrun then stops the other and exits); the whole tree if
-    none is up yet (a restart under way)."""
-    ranks = []
-    for pid in p.track():
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "recipes.train" in cmd and "torch.distributed.run" not in cmd:
-            ranks.append(pid)
-    if ranks:
-        os.kill(max(ranks), signal.SIGKILL)
-    else:
-        p.signal(signal.SIGKILL)
 
 
 class Watch(DenseOracle):
@@ -288,9 +270,9 @@ class Watch(DenseOracle):
             time.sleep(0.2)
         trainer.wanted = False
         self.trainer_stopped_at = time.monotonic()
-        trainer.signal(signal.SIGTERM)
-        time.sleep(3)
-        trainer.signal(signal.SIGKILL)
+        stopped = stop_trainer(trainer, STOP_WITHIN_S)  # (a clean stop is an invariant: issue 68)
+        if stopped is not True:
+            self.violate(f"the trainer, sent SIGTERM, {stopped}")
         self._poll_store()
         time.sleep(1.0)
         self._poll_store()

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.soak import invariants, schedule
-from tests.soak.fleet import Link, Proc, Supervisor, Tmpfs, can_mount_tmpfs, free_port
+from tests.soak.fleet import Link, Proc, Supervisor, Tmpfs, can_mount_tmpfs, free_port, kill_one_rank
 
 TOKEN = "soak-relay-token"
 PREFIX = "soak"
@@ -217,7 +217,7 @@ class Soak:
         p = self.procs.get(f.target)
         with self.sup.lock:
             if f.kind == "kill" and f.target == "trainer":
-                invariants.kill_one_rank(p)
+                kill_one_rank(p)
                 p.hit()
                 p.down_until = now + f.hold_s
                 self._undo.append((now + f.hold_s, lambda: None, row))
