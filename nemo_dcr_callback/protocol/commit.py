@@ -457,10 +457,11 @@ def read_keyframe(store, v: int) -> dict | None:
 
 
 def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
-    """Delete what nobody needs: aborted versions; undecided versions older than the newest
-    decision; committed versions at or below both the newest usable keyframe and the oldest
-    version a live receiver holds; keyframes older than the newest usable one, and those of
-    aborted or collected versions. Returns the deleted keys."""
+    """Delete what nobody needs: aborted versions (but the decision of the newest, while no
+    later version committed); undecided versions older than the newest decision; committed
+    versions at or below both the newest usable keyframe and the oldest version a live
+    receiver holds; keyframes older than the newest usable one, and those of aborted or
+    collected versions. Returns the deleted keys."""
     vs = list_versions(store)
     decisions = {v: read_decision(store, v) for v in vs}
     committed = [v for v in vs if decisions[v] and decisions[v]["decision"] == "commit"]
@@ -476,13 +477,23 @@ def gc(store, live_s: float = 600.0, dry_run: bool = False) -> list[str]:
     doomed_versions = [v for v in vs if (decisions[v] and decisions[v]["decision"] == "abort")
                        or (decisions[v] is None and v < newest_decided)
                        or (v in committed and v <= floor and not (v in kfs and v >= newest_kf))]
-    prefixes = [vdir(v) for v in doomed_versions] + [keys.verify_dir(v) for v in doomed_versions]
+    # The newest version's decision stays while no later version committed: it is what tells a
+    # restarted trainer the next number (resume_point). Collected whole, an abort written on
+    # the way out of a stopped job let the next job publish its own version 9 on the same
+    # number (the chaos soak): receivers, and relays caching history forever, took the one
+    # for the other.
+    newest = max(vs, default=0)
+    tombstone = newest if newest in doomed_versions and newest > max(committed, default=0) else None
+    prefixes = [vdir(v) for v in doomed_versions if v != tombstone] + [keys.verify_dir(v) for v in doomed_versions]
     # keyframes older than the newest usable one, and those of versions aborted or collected
     # (a trainer writes a keyframe before its version is decided; those of aborted versions
     # were never deleted: the soak's store held one per trainer restart)
     prefixes += [keyframe_dir(kf) for kf in keyframes(store) if kf != 0 and (
         kf < newest_kf or kf not in decisions or (decisions[kf] or {}).get("decision") == "abort")]
     prefixes += [keyframe_dir(0)] if 0 < newest_kf else []
+    spare = [k for k in store.list(vdir(tombstone)) if k != decision_key(tombstone)] if tombstone is not None else []
     if dry_run:
-        return [k for p in prefixes for k in store.list(p)]
-    return [k for p in prefixes for k in store.delete_prefix(p)]
+        return [k for p in prefixes for k in store.list(p)] + spare
+    if spare:
+        store.delete(spare)
+    return [k for p in prefixes for k in store.delete_prefix(p)] + spare

@@ -221,6 +221,38 @@ def test_gc_keeps_the_newest_keyframe_usable(tmp_path):
     commit.register(store, "rx", 5)
     commit.gc(store)
     commit.gc(store)  # (a second round changes nothing)
-    assert commit.list_versions(store) == [3, 4, 5] and commit.keyframes(store) == [3]
+    assert commit.list_versions(store) == [3, 4, 5, 6] and commit.keyframes(store) == [3]
+    assert store.list("versions/0000000006") == [commit.decision_key(6)]  # (the next number's tombstone)
     assert latest_keyframe(store) == 3
     assert same_bits(reconstruct(store, 5), states[5])  # what a restarted trainer rebuilds
+
+
+def test_gc_keeps_the_newest_number_taken(tmp_path):
+    """An aborted version that is the newest keeps its decision through gc until a later one
+    commits: a restarted trainer numbers its versions after it. Found by the chaos soak: a job
+    stopped cleanly wrote version 9's abort, gc collected the folder, and the restarted job
+    published another version 9 (receivers applied "version 9, which was aborted")."""
+    import torch
+
+    from nemo_dcr_callback.testing.tensor_sender import TensorSender
+    from tests.helpers.tensors import perturb
+
+    store = FileStore(tmp_path / "store")
+    g = torch.Generator().manual_seed(5)
+    states = [versions.model()]
+    commit.write_keyframe(store, 0, states[0])
+    states.append({k: perturb(t, 0.05, g) for k, t in states[0].items()})
+    versions.publish(store, 1, 0, states[0], states[1])
+    for v in (2, 3):  # aborted: each written on version 1, as after a rollback
+        s = TensorSender(states[1], 0, 1)
+        for n in s.tensors:
+            s.tensors[n] = perturb(states[1][n], 0.05, g)
+        s.write(store, v, 1, s.take())
+        commit.decide(store, v, 1, "abort", [], [], "test")
+    commit.gc(store)
+    assert commit.resume_point(store) == (1, 3, [])  # the next version is 4, not 2
+    assert commit.list_versions(store) == [1, 3] and store.list("versions/0000000003") == [commit.decision_key(3)]
+    states.append({k: perturb(t, 0.05, g) for k, t in states[1].items()})
+    versions.publish(store, 4, 1, states[1], states[2])
+    commit.gc(store)
+    assert 3 not in commit.list_versions(store)  # a later commit: the tombstone goes

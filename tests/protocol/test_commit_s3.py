@@ -111,7 +111,9 @@ def test_gc_removes_what_nobody_needs(s3_store):
     assert st["keyframes"] == [0, 3] and [r["receiver"] for r in st["receivers"]] == ["slow"] and st["gc"] > 0
     deleted = commit.gc(s3_store)
     left = commit.list_versions(s3_store)
-    assert left == [2, 3]  # 1 is held by "slow" (it needs 2 and 3); 4 was aborted
+    # 1 is held by "slow" (it needs 2 and 3); 4 was aborted: only its decision stays (the
+    # newest number taken, while no later version committed)
+    assert left == [2, 3, 4] and s3_store.list("versions/0000000004") == [commit.decision_key(4)]
     assert commit.keyframes(s3_store) == [3] and any("keyframe/0000000000" in k for k in deleted)
     tensors = {k: t.clone() for k, t in states[1].items()}
     Follower(s3_store, tensors, version=1).poll()  # the slow receiver still catches up
