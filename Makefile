@@ -14,7 +14,7 @@ TORCH  ?= torch==2.13.0
 KERNEL_SOURCES := setup.py cuda_ext/build.py cuda_ext/cpu/dcr_cpu.cpp $(wildcard cuda_ext/cpu/parts/*.h) \
 	cuda_ext/cuda/dcr_cuda.cu cuda_ext/cuda/cuda_emu.h
 
-.PHONY: wheelhouse device-dry-run security setup test test-all test-slow test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl test-trl placement faults demo soak-short bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak headline
+.PHONY: wheelhouse device-dry-run security setup test test-all test-slow test-nemo test-mpi test-vllm test-vllm-all demo-rl test-verl test-trl placement faults demo soak-short bench bench-refit bench-relay bench-plan plan-validate lint kernels clean wheel-smoke soak soak-seeds headline
 
 setup: $(STAMP)
 
@@ -156,6 +156,12 @@ SEED ?= 1
 soak: setup
 	$(BIN)/python -m tests.soak.run --seed $(SEED) --versions 500 --faults 100 --mean-gap-s 6 \
 		--converge-s 240 --progress-s 60 --time-limit-s 3600 --json benchmarks/results/soak.json
+
+# Short soaks on N fresh seeds (tests/soak/seeds.py; about 3 min each): each seed printed for
+# replay, a table per seed, benchmarks/results/soak_seeds.json. Run before a stop (not in CI).
+N ?= 10
+soak-seeds: setup
+	$(BIN)/python -m tests.soak.seeds --n $(N) --json benchmarks/results/soak_seeds.json
 
 faults: setup  # the whole fault-injection suite (make test runs its fast part); table -> docs/FAULTS.md
 	NEMO_DCR_FAULT_TABLE=benchmarks/results/faults.json $(BIN)/python -m pytest -q tests/faults
