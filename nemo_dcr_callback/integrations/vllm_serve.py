@@ -119,7 +119,8 @@ def _keep_registered(store_url: str, receiver_id: str | None, version: int) -> C
     over once attached. Returns the beat to call while waiting."""
     if not receiver_id:
         return lambda: None
-    heart = commit.Heartbeat(open_store(store_url), receiver_id, FollowerConfig.register_every_s)
+    # registered as starting: the committer does not wait for, or count, an engine that cannot ack yet
+    heart = commit.Heartbeat(open_store(store_url), receiver_id, FollowerConfig.register_every_s, starting=True)
     heart.beat(version)
     return lambda: heart.beat(version)
 

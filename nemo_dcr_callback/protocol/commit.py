@@ -170,10 +170,13 @@ def list_versions(store) -> list[int]:
 
 
 # ------------------------------------------------------------------ receivers and acks
-def register(store, receiver: str, version: int) -> None:
-    """A receiver announces itself and the version it holds (and refreshes it after each apply)."""
-    store.put(receiver_key(receiver), json.dumps(Registration(receiver=receiver, version=version,
-                                                              time=time.time())).encode())
+def register(store, receiver: str, version: int, starting: bool = False) -> None:
+    """A receiver announces itself and the version it holds (and refreshes it after each apply).
+    starting: it cannot ack yet (Registration.starting)."""
+    reg = Registration(receiver=receiver, version=version, time=time.time())
+    if starting:
+        reg["starting"] = True
+    store.put(receiver_key(receiver), json.dumps(reg).encode())
 
 
 class Heartbeat:
@@ -182,15 +185,15 @@ class Heartbeat:
     an idle one lost its chain in the chaos soak). A write the store refuses is retried at the
     next beat, said once per run of failures: a missed heartbeat is no reason to stop serving."""
 
-    def __init__(self, store, receiver: str, every_s: float):
-        self.store, self.receiver, self.every_s = store, receiver, every_s
+    def __init__(self, store, receiver: str, every_s: float, starting: bool = False):
+        self.store, self.receiver, self.every_s, self.starting = store, receiver, every_s, starting
         self._at, self._failing = -float("inf"), False
 
     def beat(self, version: int) -> None:
         if time.monotonic() - self._at < self.every_s:
             return
         try:
-            register(self.store, self.receiver, version)
+            register(self.store, self.receiver, version, self.starting)
         except StoreError as exc:
             if not self._failing:
                 print(f"nemo-dcr receiver: could not register {self.receiver!r} ({exc}); retrying",
@@ -289,8 +292,8 @@ def run_commit(store, rec: VersionRecord, policy: CommitPolicy, base_committed: 
     v, base = rec["version"], rec["base"]
     if not base_committed:
         return decide(store, v, base, "abort", [], [], f"base version {base} was not committed")
-    if expected is None:
-        expected = sorted(receivers(store, policy.live_s))
+    if expected is None:  # (a receiver still starting cannot ack: a quorum of it aborted versions for minutes)
+        expected = sorted(k for k, r in receivers(store, policy.live_s).items() if not r.get("starting"))
     t0 = time.monotonic()
     deadline = t0 + policy.timeout
     need = math.ceil(policy.quorum * len(expected))

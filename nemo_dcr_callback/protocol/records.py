@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 from nemo_dcr_callback.protocol import keys
 
@@ -71,6 +71,9 @@ class Registration(TypedDict):
     receiver: str
     version: int
     time: float
+    # a receiver still starting (a serving engine loading for minutes): gc keeps what it
+    # holds, and the committer does not count it among the receivers a quorum is taken of
+    starting: NotRequired[bool]
 
 
 class RecordError(ValueError):
@@ -151,6 +154,8 @@ def check(kind: str, key: str, obj) -> dict:
         if not _field_ok(val, types):
             shown = repr(val) if len(repr(val)) <= 40 else repr(val)[:40] + "..."
             raise RecordError(f"{key}: not a {kind} record (field {field!r} is {shown})")
+    if kind == "registration" and not isinstance(obj.get("starting", False), bool):
+        raise RecordError(f"{key}: not a registration record (field 'starting' is {obj['starting']!r:.40})")
     if kind == "decision" and obj["decision"] not in ("commit", "abort"):
         raise RecordError(f"{key}: not a decision record (decision {obj['decision']!r})")
     if kind in ("registration", "ack"):

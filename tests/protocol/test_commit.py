@@ -256,3 +256,30 @@ def test_gc_keeps_the_newest_number_taken(tmp_path):
     versions.publish(store, 4, 1, states[1], states[2])
     commit.gc(store)
     assert 3 not in commit.list_versions(store)  # a later commit: the tombstone goes
+
+
+def test_a_receiver_still_starting_is_not_counted_in_the_quorum(tmp_path):
+    """A serving engine registers while it starts (gc must keep what it holds) but cannot ack
+    for minutes. Counted, it made the quorum unreachable whenever two others were under a fault
+    (the long soak: a vLLM receiver restarted by kills aborted version after version). Its
+    registration says starting; once following, it counts again."""
+    from nemo_dcr_callback.config import CommitPolicy
+
+    store = FileStore(tmp_path / "store")
+    states = versions.chain(store, 1)
+    for name in ("a", "b"):
+        commit.register(store, name, 1)
+    commit.register(store, "engine", 1, starting=True)
+    rec = commit.read_record(store, 1) | {"version": 2, "base": 1}
+    for name in ("a", "b"):
+        commit.write_ack(store, 2, name, 1)
+    policy = CommitPolicy("quorum", timeout=1.0, quorum=1.0)
+    d = commit.run_commit(store, rec, policy)
+    assert d["decision"] == "commit" and d["acked"] == ["a", "b"], d
+    assert set(commit.receivers(store)) == {"a", "b", "engine"}  # (gc still sees it)
+    commit.register(store, "engine", 1)  # following now: counted again, and silent
+    rec3 = commit.read_record(store, 1) | {"version": 3, "base": 2}
+    for name in ("a", "b"):
+        commit.write_ack(store, 3, name, 2)
+    assert commit.run_commit(store, rec3, policy)["decision"] == "abort"
+    assert states  # (the chain the record came from)

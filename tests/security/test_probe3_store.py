@@ -229,6 +229,16 @@ def test_f4_a_registration_from_the_far_future_is_refused(tmp_path):
     assert list(commit.receivers(store)) == ["good"]
 
 
+def test_a_registration_whose_starting_is_not_a_flag_is_a_bad_record(tmp_path):
+    """`starting` takes a receiver out of the quorum's count (Registration.starting): only a
+    true boolean does; anything else makes the record a bad one, skipped with a warning."""
+    store = FileStore(tmp_path)
+    store.put("receivers/odd.json", json.dumps({"receiver": "odd", "version": 0, "time": time.time(),
+                                                "starting": "no"}).encode())
+    commit.register(store, "good", 0, starting=True)
+    assert list(commit.receivers(store)) == ["good"] and commit.receivers(store)["good"]["starting"] is True
+
+
 def test_f5_an_ack_for_a_version_that_does_not_exist(tmp_path):
     """Finding 5: an ack PUT through a relay for version 9999999999 created that version's
     folder in the origin, and a restarting publisher could not publish ("version 10000000000
