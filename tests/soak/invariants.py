@@ -128,7 +128,7 @@ class Watch(DenseOracle):
             pass
 
     def committed(self) -> list[int]:
-        return sorted(v for v, d in self.decisions.items() if d == "commit")
+        return sorted(v for v, d in list(self.decisions.items()) if d == "commit")  # (the store thread adds)
 
     def committed_count(self) -> int:
         return len(self.committed())
@@ -267,7 +267,7 @@ class Watch(DenseOracle):
     # ------------------------------------------------------------------ the end
     def progress(self) -> str:
         held = ", ".join(f"{r} {self.held.get(r, '-')}" for r in self.receivers)
-        aborted = sum(1 for d in self.decisions.values() if d == "abort")
+        aborted = sum(1 for d in list(self.decisions.values()) if d == "abort")
         return f"committed {self.committed_count()} (newest {self.newest()}), aborted {aborted}; held: {held}"
 
     def converge(self, trainer, converge_s: float, t_heal: float) -> None:
@@ -317,7 +317,7 @@ class Watch(DenseOracle):
         return {
             "violations": self.violations, "first_violation_t": self.first_violation_t,
             "versions": {"committed": self.committed_count(),
-                         "aborted": sum(d == "abort" for d in self.decisions.values()),
+                         "aborted": sum(d == "abort" for d in list(self.decisions.values())),
                          "newest": self.newest()},
             "served": {r: {"applied": len(self.applied[r]), "starts": self.ready[r], "held": self.held.get(r)}
                        for r in self.receivers},
@@ -367,7 +367,7 @@ class Watch(DenseOracle):
         self.stall = {"worst_unexcused_gap_s": round(worst, 2), "bound_s": bound}
         # and training's versions keep committing: a trainer stepping while every version
         # aborts (its ranks disagreeing on the base after an abort) stalls the fleet as surely
-        commits = sorted(t for v, t in self.decided_at.items() if self.decisions[v] == "commit" and t >= self.t0)
+        commits = sorted(t for v, t in list(self.decided_at.items()) if self.decisions[v] == "commit" and t >= self.t0)
         worst_c = 0.0
         for t0, t1 in zip(commits, commits[1:], strict=False):
             if any(a <= t1 and t0 <= b for a, b in windows):
@@ -419,7 +419,7 @@ class Watch(DenseOracle):
         per_version = 0
         committed = max(1, self.committed_count())
         for _, _, _, by in self.disk:
-            n = max(1, sum(1 for v in self.decisions))
+            n = max(1, len(self.decisions))
             per_version = max(per_version, (by.get("versions", 0) + by.get("verify", 0)) // n)
         exp_bytes = kf  # one keyframe's worth: the dense export of a version
         gc_versions = int(c.gc_every_s / max(c.min_step_s, 0.1))
@@ -442,11 +442,11 @@ class Watch(DenseOracle):
             end = f["end_at"] if f["end_at"] is not None else f["fired_at"]
             t_end = self.t0 + end
             if f["target"] == "trainer":
-                after = [t for v, t in self.decided_at.items() if t > t_end and self.decisions[v] == "commit"]
+                after = [t for v, t in list(self.decided_at.items()) if t > t_end and self.decisions[v] == "commit"]
                 rec = min(after) - t_end if after else None
             else:
-                newest = max([v for v, t in self.decided_at.items() if t <= t_end and self.decisions[v] == "commit"],
-                             default=0)
+                newest = max([v for v, t in list(self.decided_at.items())
+                              if t <= t_end and self.decisions[v] == "commit"], default=0)
                 ts = []
                 reached = (f["target"],) if f["target"] in self.receivers else BEHIND.get(f["target"], self.receivers)
                 for r in [r for r in reached if r in self.receivers]:
