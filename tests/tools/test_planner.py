@@ -10,8 +10,6 @@ import pytest
 from nemo_dcr_callback.cli import main
 from nemo_dcr_callback.tools import planner
 
-KNOWN_MISSES = {"bench relay dcr-relay (8 receivers)": 0.25}
-
 
 def test_predictions_against_measured_refits():
     """Within 20% of every measured configuration (the issue's validation target). The
@@ -20,12 +18,8 @@ def test_predictions_against_measured_refits():
     rows = planner.validate()
     assert sum(not r["held_out"] for r in rows) == 6
     assert sum(r["held_out"] for r in rows) >= 1  # a configuration the calibration never read
-    misses = {r["case"]: r["error"] for r in rows if abs(r["error"]) > 0.2}
-    # the one known miss, stated in docs/PLANNER.md: the shared-CPU floor over-predicts the
-    # 8-receiver tree of 2026-12-07 (+21%: the cores were ~90% busy, the floor assumes all the
-    # time); a worse miss, or any other row out of 20%, fails here
-    assert set(misses) <= set(KNOWN_MISSES), rows
-    assert all(abs(e) <= KNOWN_MISSES[c] for c, e in misses.items()), misses
+    misses = [r["case"] for r in rows if abs(r["error"]) > 0.2]
+    assert misses == [], rows
     by = {r["case"]: r for r in rows}
     eight = by["bench relay dcr-relay (8 receivers)"]
     assert eight["critical_path"].startswith("shared CPU")
@@ -79,9 +73,7 @@ def test_cli(capsys):
     out = capsys.readouterr().out
     assert "critical path" in out and "total refit" in out
     assert main(["plan"]) == 2
-    rc = main(["plan", "--validate"])  # 1 while a configuration is out of 20% (KNOWN_MISSES)
-    out = capsys.readouterr().out
-    assert rc == (1 if "calibration runs: 5/6" in out else 0) and "held out: 7/7 within 20%" in out
+    assert main(["plan", "--validate"]) == 0  # every configuration within 20%
 
 
 def test_gpu_rates_come_from_the_device_check(tmp_path):
