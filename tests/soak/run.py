@@ -130,10 +130,11 @@ class Soak:
         s3 = Proc("s3", None, logs / "s3.log", spawn=spawn_s3)
         s3.popen = self.s3.proc
         s3.starts, s3.instances = 1, [{"t0": time.monotonic(), "pid": self.s3.proc.pid, "rss": []}]
+        cache = ["--cache-mb", str(invariants.RELAY_CACHE_MB)]  # (their RSS rule allows it)
         relays = [Proc("relay-root", self._cli("relay", "--parent", self.url, "--name", "root",
-                                               "--listen", f"127.0.0.1:{p_root}"), logs / "relay-root.log"),
+                                               "--listen", f"127.0.0.1:{p_root}", *cache), logs / "relay-root.log"),
                   Proc("relay-region", self._cli("relay", "--parent", f"relay://127.0.0.1:{self.link.port},{self.url}",
-                                                 "--name", "region", "--listen", f"127.0.0.1:{p_region}"),
+                                                 "--name", "region", "--listen", f"127.0.0.1:{p_region}", *cache),
                        logs / "relay-region.log")]
         follow = ["--follow", "--json", "--timeout", "100000", "--idle-poll-ms", "50"]
         self.model_dir = self.dir / "rx-dir-disk" / "model"

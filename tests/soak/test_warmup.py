@@ -62,3 +62,16 @@ def test_ready_is_read_from_each_instance_s_own_log(tmp_path: Path):
     w = _watch({"rx-vllm": p})
     w._tail()
     assert "ready" not in p.instances[0] and "ready" in p.instances[1]
+
+
+def test_a_relay_may_grow_by_its_configured_cache(tmp_path: Path):
+    from tests.soak.invariants import RELAY_CACHE_MB
+
+    fill = [(t, 263 + max(0, t - 90) * 30 / 300) for t in range(0, 400, 2)]  # +30 MB after the warm-up: 11.4%
+    for name, violations in (("relay-region", 0), ("rx-vllm", 1)):
+        p = Proc(name, None, tmp_path / "log")
+        p.instances.append(_instance(0.0, fill))
+        w = _watch({name: p})
+        w._check_rss()
+        assert len(w.violations) == violations, (name, w.violations)
+    assert RELAY_CACHE_MB >= 30
