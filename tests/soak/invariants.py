@@ -151,7 +151,7 @@ class Watch(DenseOracle):
 
     # ------------------------------------------------------------------ logs
     def _tail(self) -> None:
-        for name, p in self.procs.items():
+        for name, p in list(self.procs.items()):  # (start() adds rx-vllm while this runs)
             mark = next((m for prefix, m in READY if name.startswith(prefix)), None)
             if mark is None:
                 continue
@@ -212,7 +212,7 @@ class Watch(DenseOracle):
         from tests.soak.fleet import rss
 
         now = time.monotonic()
-        for p in self.procs.values():
+        for p in list(self.procs.values()):
             if p.alive() and p.instances:
                 p.instances[-1]["rss"].append((now, rss(p.track())))
 
