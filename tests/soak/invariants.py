@@ -105,11 +105,15 @@ class Watch(DenseOracle):
         """The logs and RSS, every 0.5 s (apart from the store's polls: S3 under a fault makes
         those wait, and the apply times read from the logs would come late)."""
         n = 0
-        while not self._stop.wait(0.5):
-            n += 1
-            self._tail()
-            if n % 4 == 0:
-                self._rss()
+        try:
+            while not self._stop.wait(0.5):
+                n += 1
+                self._tail()
+                if n % 4 == 0:
+                    self._rss()
+        except Exception as exc:  # a dead watch checks nothing: the run must not pass without it
+            self.violate(f"the soak's watch thread failed: {type(exc).__name__}: {exc}")
+            raise
 
     def _run_store(self) -> None:
         n = 0
