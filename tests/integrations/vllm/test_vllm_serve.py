@@ -88,12 +88,15 @@ def test_receive_vllm_serves_and_follows(tmp_path):
         while "rx-vllm" not in commit.receivers(store) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert q.empty() and commit.receivers(store)["rx-vllm"]["version"] == 0
+        # ... as starting: the committer does not count an engine that cannot ack yet
+        assert commit.receivers(store)["rx-vllm"].get("starting") is True
         assert _next(q, proc, "ready", 600)["version"] == 0
         for v in (1, 2):
             versions.publish(store, v, v - 1, states[v - 1], states[v])
         while _next(q, proc, "applied", 300)["version"] < 2:
             pass
         assert rpc(base, "dcr_version") == ["2"]  # (non-JSON answers come as strings)
+        assert not commit.receivers(store)["rx-vllm"].get("starting")  # following: counted again
         served, tokens = rpc(base, "dcr_param_digests")[0], _complete(base, str(dirs[0]))
         b = start_engine(dirs[2])
         assert served == b.collective_rpc("dcr_param_digests")[0], "parameters differ from a fresh load"
