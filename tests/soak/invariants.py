@@ -353,9 +353,9 @@ class Watch(DenseOracle):
         worst = 0.0
         # each gap between two steps of one trainer start, and from a start's last step to its
         # end (a trainer that hangs has no next step: its exit, or the soak's stop, ends the gap)
-        ends = sorted(e.t for e in exits if e.name == "trainer")
-        if self.trainer_stopped_at is not None:
-            ends.append(self.trainer_stopped_at)
+        # (the soak's stop request ends a gap too, not the exit up to STOP_WITHIN_S after it)
+        stop = [self.trainer_stopped_at] if self.trainer_stopped_at is not None else []
+        ends = sorted([*(e.t for e in exits if e.name == "trainer"), *stop])
         gaps = [(a, b) for a, b in zip(self.steps, self.steps[1:], strict=False) if a[0] == b[0]]
         for i, (start, _, t_last) in enumerate(self.steps):
             if i + 1 == len(self.steps) or self.steps[i + 1][0] != start:
