@@ -63,11 +63,13 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class _Staged:
-    """A version uploaded, for the commit stage."""
+    """A version uploaded, for the commit stage (failed: why its upload failed, already
+    reported; rank 0 still writes its abort, or the other ranks would wait for a decision)."""
 
     version: int
     base: int
     stats: PublishStats
+    failed: str | None = None
 
 
 def lower_priority(nice: int) -> None:
@@ -152,6 +154,7 @@ class _Worker:
                 continue
             if failed:
                 self.results.put(Failed(item.version, "an earlier version failed"))
+                self.staged.put(_Staged(item.version, item.base, item.stats, "an earlier version failed"))
                 continue
             try:
                 self.upload(item)
@@ -160,6 +163,7 @@ class _Worker:
             except Exception as exc:  # noqa: BLE001 - reported to the trainer
                 failed = True
                 self.results.put(_error(item.version, exc))
+                self.staged.put(_Staged(item.version, item.base, item.stats, f"{type(exc).__name__}: {exc}"))
 
     # ------------------------------------------------------------ commit stage
     def decide(self, version: int, base: int, st: PublishStats) -> dict:
@@ -205,16 +209,42 @@ class _Worker:
             if isinstance(item, Reset):
                 failed = False
                 continue
+            if item.failed is not None:  # (reported by the upload stage)
+                self.give_up(item, f"its upload failed on rank {self.spec.rank}: {item.failed}")
+                continue
             if failed:
+                self.give_up(item, "an earlier version failed")
                 self.results.put(Failed(item.version, "an earlier version failed"))
                 continue
             try:
                 d = self.decide(item.version, item.base, item.stats)
-                self.settle(item.version, d["decision"])
-                self.results.put(Decided(item.version, item.stats))
             except Exception as exc:  # noqa: BLE001 - reported to the trainer
-                failed = True
-                self.results.put(_error(item.version, exc))
+                # rank 0 that cannot decide (its seal timed out: a rank's manifest lost; the commit
+                # failed) aborts the version instead: every rank and receiver learns it now, and
+                # training goes on as after any abort. Only if even that fails is it a failure;
+                # and the `wait` policy's timeout is one by design (nothing decided: PROTOCOL.md)
+                why = f"rank 0 could not decide it ({type(exc).__name__}: {exc})"
+                d = None if isinstance(exc, commit.CommitTimeout) else self.give_up(item, why)
+                if d is None:
+                    failed = True
+                    self.results.put(_error(item.version, exc))
+                    continue
+                item.stats.decision, item.stats.reason = d["decision"], d["reason"]
+            self.settle(item.version, d["decision"])
+            self.results.put(Decided(item.version, item.stats))
+
+    def give_up(self, item: _Staged, why: str) -> dict | None:
+        """Rank 0: write the abort of a version it will not decide otherwise (best effort), so
+        the other ranks and the receivers are not left waiting out their timeouts for a decision
+        that would never come. Returns the decision that stands (None: none could be written,
+        or not rank 0)."""
+        if self.spec.rank != 0:
+            return None
+        try:
+            return commit.decide(self.store, item.version, item.base, "abort", [], [], why[:500])
+        except Exception as exc:  # noqa: BLE001 - the store is failing too: the timeouts take over
+            print(f"dcr rank 0: could not abort version {item.version} ({why}): {exc}", flush=True)
+            return None
 
 
 def run_worker(spec: WorkerSpec, jobs, results) -> None:

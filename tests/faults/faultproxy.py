@@ -28,7 +28,7 @@ class Rule:
 
     method: str = "*"
     path: str = ""
-    action: str = "status"  # status | delay | reset | truncate
+    action: str = "status"  # status | delay | reset | truncate | lose (a PUT answered 200, never stored)
     status: int = 503
     code: str = "ServiceUnavailable"  # S3 error code in the body (SlowDown = throttling)
     delay_s: float = 0.0
@@ -92,6 +92,8 @@ class FaultProxy:
                 return web.Response(status=rule.status, text=xml, content_type="application/xml")
             elif rule.action == "truncate":
                 truncate = True
+            elif rule.action == "lose":  # a write acknowledged and then lost, as by a killed server
+                return web.Response(status=200, headers={"ETag": '"lost"'})
             break
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
         async with self._session.request(request.method, self.upstream + path, data=body if body else None,
