@@ -9,6 +9,7 @@ import datetime
 import io
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -123,7 +124,9 @@ class MegatronGPTModule(L.LightningModule):
             self.log("step_ms", 1e3 * (now - self._t_last), on_step=True, batch_size=1)
         self._t_last = now
         if os.environ.get(STEP_CLOCK_ENV) and self.trainer.global_rank == 0:  # bench overhead: when steps start
-            print(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}", flush=True)
+            # one write of the whole line: print's two (text, then newline) let another rank's line in between
+            sys.stdout.write(f"{STEP_CLOCK_ENV} {batch_idx} {time.monotonic():.4f}\n")
+            sys.stdout.flush()
         loss = train_step(self._ddp, self._opt, batch, self.cfg)
         if batch_idx == 0 and self.trainer.global_rank == 0:
             from nemo_dcr_callback.recipes.megatron_cpu import fp32_gemm_products

@@ -38,6 +38,7 @@ RSS_GROWTH = 0.10
 RSS_WARMUP_S = 60.0
 RSS_MIN_LIFE_S = 180.0  # from ready
 # what each kind of process prints once it serves (its own log, first match per instance)
+STEP_CLOCK = re.compile(r"NEMO_DCR_STEP_CLOCK ([0-9]+) ([0-9]+\.[0-9]+)")
 READY = (("trainer", "NEMO_DCR_STEP_CLOCK "), ("relay", ": listening on "), ("rx", '"event": "ready"'))
 # SeaweedFS (the store, not the product) fills its read cache and Go heap to their configured
 # sizes (run.S3_ARGS, S3_ENV): its bound is a ceiling. Measured with a put/get/delete churn:
@@ -184,9 +185,8 @@ class Watch(DenseOracle):
     def _trainer_line(self, line: str) -> None:
         if line.startswith("===== start"):
             self._trainer_start += 1
-        elif line.startswith("NEMO_DCR_STEP_CLOCK "):
-            _, idx, t = line.split()
-            self.steps.append((self._trainer_start, int(idx), float(t)))
+        else:  # (both ranks print it: two lines once met on one, and that failed the watch thread)
+            self.steps += [(self._trainer_start, int(i), float(t)) for i, t in STEP_CLOCK.findall(line)]
 
     def _receiver_line(self, name: str, line: str, now: float) -> None:
         if "MISMATCH" in line:

@@ -52,3 +52,14 @@ def test_a_gap_under_an_s3_fault_is_excused():
     w = _watch(steps)
     w._check_stalls([{"target": "s3", "fired_at": 101.0, "end_at": 110.0}], [])
     assert not w.violations
+
+
+def test_two_ranks_clock_lines_met_on_one_line_are_both_read():
+    """Both ranks print the step clock to one pipe; print() wrote text and newline apart, and
+    two lines once met on one ("... 62256.9994NEMO_DCR_STEP_CLOCK 33 ..."): the watch thread
+    died on it (a soak failed on its own harness)."""
+    w = _watch([])
+    w._trainer_start = 2
+    w._trainer_line("NEMO_DCR_STEP_CLOCK 33 62256.9994NEMO_DCR_STEP_CLOCK 33 62256.9995")
+    w._trainer_line("NEMO_DCR_STEP_CLOCK 34 62257.5")
+    assert w.steps == [(2, 33, 62256.9994), (2, 33, 62256.9995), (2, 34, 62257.5)]
