@@ -170,6 +170,15 @@ def setup() -> LaunchEnv:
 
 
 # ------------------------------------------------------------------ starting ranks on this host
+def collective_device():
+    """Where a small collective's tensor lives: this rank's GPU under NCCL (which takes no CPU
+    tensors), the CPU under gloo. The process group must be initialised."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface (for torchrun's rendezvous)."""
     with socket.socket() as s:

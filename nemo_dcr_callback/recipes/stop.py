@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from nemo_dcr_callback.launcher import collective_device
+
 
 @dataclass
 class StopConfig:
@@ -71,12 +73,11 @@ class StopOnSignal(L.Callback):
         def on_sigterm(signum, frame):
             if self.requested_at is not None:
                 return
-            self.requested_at = time.monotonic()
             if not self.training:  # start-up: no step to finish, nothing published to wait for
                 _say(f"rank {self._rank}: SIGTERM during start-up: leaving now, exit status 0")
                 os._exit(0)
             _say(f"rank {self._rank}: SIGTERM: stopping after this step (at most {self.cfg.grace_s:.0f} s)")
-            threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
+            self._request()
             if callable(previous) and previous is not on_sigterm:
                 previous(signum, frame)
 
@@ -88,15 +89,18 @@ class StopOnSignal(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stop = self.requested
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            flag = torch.tensor([int(stop)], dtype=torch.int32, device=dev)
+            flag = torch.tensor([int(stop)], dtype=torch.int32, device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
         if stop:
-            if not self.requested:
-                self.requested_at = time.monotonic()
-                threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
+            if not self.requested:  # a peer was asked: this rank stops with it, on the same watch
+                self._request()
             trainer.should_stop = True
+
+    def _request(self) -> None:
+        """The stop is asked for: noted, and the watchdog started (once)."""
+        self.requested_at = time.monotonic()
+        threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
         time.sleep(self.cfg.grace_s)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr_callback.config import PublisherConfig
+from nemo_dcr_callback.launcher import collective_device
 from nemo_dcr_callback.placement import Family, Placement, build_placement
 from nemo_dcr_callback.protocol import commit, keys
 from nemo_dcr_callback.protocol.rebuild import reconstruct
@@ -196,8 +197,7 @@ class Publisher:
         broadcast of two numbers: the last committed version, and the base rank 0 publishes on).
         Where rank 0 rolled back after an abort, the others roll back to the same version now,
         whether or not their own worker has read the decision yet."""
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        view = torch.tensor([self.last_committed, self.last_version], dtype=torch.int64, device=dev)
+        view = torch.tensor([self.last_committed, self.last_version], dtype=torch.int64, device=collective_device())
         dist.broadcast(view, src=0)
         committed, base = (int(x) for x in view.tolist())
         if self.rank == 0:
@@ -260,7 +260,7 @@ class Publisher:
             self.store.put(keys.stats_key(self.rank), stats)
             return
         try:  # leaving in a hurry: once, without the store's patience
-            self.store.store.put(keys.stats_key(self.rank), stats)
+            self.store.impatient.put(keys.stats_key(self.rank), stats)
         except StoreError as exc:
             print(f"dcr rank {self.rank}: figures not written at exit ({exc})", flush=True)
 

@@ -46,6 +46,12 @@ class PatientStore:
     def url(self) -> str:
         return self.store.url
 
+    @property
+    def impatient(self):
+        """The store without the patience: for a call made in a hurry (a rank leaving on a
+        stop writes its figures once, or not at all)."""
+        return self.store
+
     def __getattr__(self, name: str):  # executor, get_pieces, long_polls, wait, ...: the store's own
         return getattr(self.store, name)
 
