@@ -1,5 +1,6 @@
-"""What ends in the soak, accounted for: process exits (fleet.Exit) and gc runs. Invariants 6
-and 7 of docs/FAULTS.md; Watch.report calls them at the end of a run."""
+"""What ends in the soak, accounted for: process exits (fleet.Exit) and gc runs (invariants 6
+and 7 of docs/FAULTS.md; Watch.report calls them at the end of a run), and the receivers late
+to converge (invariant 3; Watch.converge asks)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,26 @@ def check_gc(watch, fired: list[dict]) -> None:
         elif not any(a <= t1 and t0 <= b for a, b in s3):
             watch.violate(f"gc at t+{t0:.0f}s failed (rc {g['rc']}) with S3 under no fault: "
                          f"{g.get('error', '')[-200:]}")
+
+
+# A receiver whose current instance has not said ready yet (a vLLM engine starting: 60-80 s on a
+# quiet 2-core machine, over 5 minutes on a loaded one) is waited for this long after the
+# trainer's stop; once ready, it gets the usual converge_s from its ready. The convergence rule
+# then judges the receivers, not the machine's speed (issue 68: one fresh seed failed on an
+# engine still starting 90 s after the stop, beside other work).
+START_LIMIT_S = 600.0
+
+
+def late_to_converge(watch, behind: dict[str, int], t_stop: float, converge_s: float,
+                     now: float) -> dict[str, str]:
+    """Of the receivers behind the newest version, those past their deadline, each with why."""
+    late = {}
+    for r, held in behind.items():
+        p = watch.procs.get(r)
+        ready = p.instances[-1].get("ready") if p is not None and p.instances else None
+        if ready is None and now - t_stop > START_LIMIT_S:
+            late[r] = f"holds {held}, still starting {START_LIMIT_S:.0f} s after the trainer stopped"
+        elif ready is not None and now - max(t_stop, ready) > converge_s:
+            late[r] = f"holds {held}, {now - max(t_stop, ready):.0f} s after " + (
+                "the trainer stopped" if ready <= t_stop else "it said ready")
+    return late

@@ -280,7 +280,7 @@ class Watch(DenseOracle):
 
     def converge(self, trainer, converge_s: float, t_heal: float) -> None:
         """After the faults: the trainer publishes 3 more versions and stops; every receiver must
-        hold the newest committed version within converge_s."""
+        hold the newest committed version within converge_s (accounting.late_to_converge)."""
         base = self.committed_count()
         deadline = time.monotonic() + 240
         while self.committed_count() < base + 3:
@@ -299,11 +299,11 @@ class Watch(DenseOracle):
         target, t_stop = self.newest(), time.monotonic()
         while True:
             behind = {r: self.held.get(r, -1) for r in self.receivers if self.held.get(r, -1) < target}
-            if not behind:
-                break
-            if time.monotonic() - t_stop > converge_s:
-                self.violate(f"receivers not at the newest committed version {target} {converge_s:.0f} s after "
-                             f"the trainer stopped: {behind}")
+            late = accounting.late_to_converge(self, behind, t_stop, converge_s, time.monotonic())
+            if late:
+                self.violate(f"receivers not at the newest committed version {target} within {converge_s:.0f} s: "
+                             f"{late}")
+            if late or not behind:
                 break
             time.sleep(0.2)
         self.convergence = {"newest": target, "after_trainer_stop_s": round(time.monotonic() - t_stop, 2),

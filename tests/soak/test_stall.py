@@ -63,3 +63,26 @@ def test_two_ranks_clock_lines_met_on_one_line_are_both_read():
     w._trainer_line("NEMO_DCR_STEP_CLOCK 33 62256.9994NEMO_DCR_STEP_CLOCK 33 62256.9995")
     w._trainer_line("NEMO_DCR_STEP_CLOCK 34 62257.5")
     assert w.steps == [(2, 33, 62256.9994), (2, 33, 62256.9995), (2, 34, 62257.5)]
+
+
+def test_a_receiver_still_starting_is_judged_from_its_ready():
+    """Convergence (invariant 3): a receiver whose instance has not said ready (a vLLM engine
+    starting for minutes beside other work) is waited for up to START_LIMIT_S, and then gets
+    converge_s from its ready; one that is ready and behind has converge_s from the stop."""
+    from tests.soak import accounting
+    from tests.soak.fleet import Proc
+
+    w = _watch([])
+    starting, ready_late, ready_early = (Proc(n, None, "log") for n in ("rx-vllm", "rx-a", "rx-b"))
+    starting.instances.append({"t0": 0.0, "rss": []})
+    ready_late.instances.append({"t0": 0.0, "rss": [], "ready": 150.0})
+    ready_early.instances.append({"t0": 0.0, "rss": [], "ready": 10.0})
+    w.procs = {p.name: p for p in (starting, ready_late, ready_early)}
+    behind = {"rx-vllm": -1, "rx-a": 3, "rx-b": 3}
+    late = accounting.late_to_converge(w, behind, t_stop=100.0, converge_s=90.0, now=200.0)
+    assert set(late) == {"rx-b"} and "100 s after the trainer stopped" in late["rx-b"]
+    late = accounting.late_to_converge(w, behind, t_stop=100.0, converge_s=90.0, now=250.0)
+    assert set(late) == {"rx-b", "rx-a"} and "after it said ready" in late["rx-a"]
+    late = accounting.late_to_converge(w, behind, t_stop=100.0, converge_s=90.0,
+                                       now=101.0 + accounting.START_LIMIT_S)
+    assert "still starting" in late["rx-vllm"]
