@@ -105,7 +105,7 @@ test-vllm-all: $(VLLM_VENV)/.setup-done
 # rollout engine, both from .venv-vllm (it has megatron-core too). The engine is killed after
 # step 12 and comes back from the keyframe and the deltas.
 demo-rl: $(VLLM_VENV)/.setup-done
-	$(VLLM_VENV)/bin/nemo-dcr demo --rl --steps 30 --kill-at 12 \
+	$(VLLM_VENV)/bin/nemo-dcr demo --rl --steps 40 --control-steps 12 --kill-at 15 \
 		--json benchmarks/results/rl_loop.json
 
 # verl 0.9.1 driving the `dcr` checkpoint engine (integrations/verl.py), in its own environment.

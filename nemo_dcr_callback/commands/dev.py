@@ -66,6 +66,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    "and start it again")
     p.add_argument("--max-staleness", type=int, default=1, help="with --rl: consume rollouts at most this many "
                    "versions old")
+    p.add_argument("--task", default="search", help="with --rl: search (multi-turn, with feedback) | first | max | sum")
+    p.add_argument("--arms", default="main,lr0,seed2", help="with --rl: the runs, one after the other: main, lr0 "
+                   "(learning rate 0), seed2 (another seed), stale (max staleness 2, the worker further ahead)")
+    p.add_argument("--control-steps", type=positive, default=12, help="with --rl: steps of the lr0 and stale arms")
     p.add_argument("--json", default=None, help="with --rl: write the measurements here")
 
 
@@ -77,10 +81,17 @@ def _demo(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         from nemo_dcr_callback.recipes import rl_demo  # start-up cost: only when the demo runs
+        from nemo_dcr_callback.recipes.rl_task import TASKS
 
-        out = rl_demo.run(args.steps, args.workdir, kill_at=args.kill_at, max_staleness=args.max_staleness,
-                          json_path=args.json)
-        return 0 if out["versions_checked"] else 1
+        arms = tuple(a for a in args.arms.split(",") if a)
+        bad = [a for a in arms if a not in ("main", "lr0", "seed2", "stale")] + (
+            [] if args.task in TASKS else [f"--task {args.task}"])
+        if bad or not arms:
+            print(f"nemo-dcr demo --rl: unknown {bad or 'arms: none given'}", file=sys.stderr)
+            return 2
+        out = rl_demo.run_arms(args.steps, args.control_steps, args.workdir, kill_at=args.kill_at, task=args.task,
+                               max_staleness=args.max_staleness, arms=arms, json_path=args.json)
+        return 0 if all(a["versions_checked"] for a in out["arms"].values()) else 1
     if args.files:
         from nemo_dcr_callback.recipes.demo import run_demo  # start-up cost: only when the demo runs
         return run_demo(args.params, args.change_rate, min(args.steps, 3), args.workdir)

@@ -66,7 +66,7 @@ from nemo_dcr_callback.integrations.vllm import (
 from nemo_dcr_callback.protocol import commit
 from nemo_dcr_callback.sender.named import NamedPublisher
 
-__all__ = ["DCRInitInfo", "DCRTrainerInitInfo", "DCRTrainerWeightTransferEngine", "DCRUpdateInfo",
+__all__ = ["check_export", "DCRInitInfo", "DCRTrainerInitInfo", "DCRTrainerWeightTransferEngine", "DCRUpdateInfo",
            "DCRWeightTransferEngine", "EngineError", "HTTPClient", "LLMClient", "RayClient", "UpdateError"]
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,18 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def shutdown(self) -> None:
         if self.weights is not None:
             self.weights.detach()
+
+
+def check_export(worker, version: int) -> dict:
+    """The held version against its dense export in the store (EngineWeights.check_export: the
+    trainer's gather and convert, written with dcr.verify), in each worker of an engine that
+    runs the `dcr` backend: `(Async)LLM.collective_rpc(check_export, args=(v,))` (a callable:
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1). The backend has no route of its own for it."""
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(eng, DCRWeightTransferEngine) or eng.weights is None:
+        raise UpdateError("dcr: this engine does not run the dcr backend, or init_weight_transfer_engine was "
+                          "not called")
+    return eng.weights.check_export(int(version))
 
 
 PAUSE_MODES = ("keep", "wait", "abort", "none")

@@ -311,9 +311,11 @@ def train_step(ddp, opt, tokens: torch.Tensor, cfg: TinyGPTConfig) -> float | No
     return run_schedule(ddp, opt, forward_step, data, micro, seq, batch)
 
 
-def run_schedule(ddp, opt, forward_step, data, micro: int, seq: int, batch: int) -> float | None:
+def run_schedule(ddp, opt, forward_step, data, micro: int, seq: int, batch: int,
+                 collect: list | None = None) -> float | None:
     """Forward and backward of `micro` micro-batches through Megatron's pipeline schedule, then
-    the optimizer step; the mean of the losses' "loss" on the last stage (None elsewhere)."""
+    the optimizer step; the mean of the losses' "loss" on the last stage (None elsewhere).
+    `collect` receives each micro-batch's reported dict (the last stage's)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -328,6 +330,8 @@ def run_schedule(ddp, opt, forward_step, data, micro: int, seq: int, batch: int)
     ok, _, _ = opt.step()
     if not ok:
         raise RuntimeError("optimizer step skipped (overflow)")
+    if collect is not None:
+        collect.extend(losses or [])
     if ps.is_pipeline_last_stage() and losses:
         return float(sum(x["loss"] for x in losses) / len(losses))
     return None
