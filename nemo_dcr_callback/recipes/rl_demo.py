@@ -38,6 +38,7 @@ from nemo_dcr_callback.transport.store import open_store
 LOGP_BOUND = 0.02
 BUSY = 16  # requests in flight that make an update "under load" (the issue's bar: 30% of updates)
 WINDOW_S = 1.0  # the throughput windows around updates
+SLOT_S = 0.1  # their resolution
 
 
 class TrainerFailed(RuntimeError):
@@ -143,30 +144,27 @@ def _median(xs: list[float]) -> float | None:
 
 
 def throughput_windows(times: list[float], updates: list[float], busy: list[float], w: float = WINDOW_S) -> dict:
-    """Tokens per second in w-second windows centred on each update, against the other whole
-    windows of the run with no update within w of them, both only where the engine had
-    requests throughout (busy: the worker's 50 ms samples while it had any; a window the
-    worker spent waiting for the trainer would count as slow). Wall clock, one process."""
+    """Tokens per second while the engine had requests, within w / 2 of an update against the
+    rest: the run cut into 0.1 s slots, only the slots with a busy sample counted (busy: the
+    worker's 50 ms samples while it had any request; a slot it spent waiting for the trainer
+    would count as slow). Wall clock, one process."""
     import bisect
 
-    if not times:
+    if not times or not busy:
         return {"around_updates": None, "without_updates": None}
-    times, busy = sorted(times), sorted(busy)
-
-    def count(xs: list[float], a: float, b: float) -> int:
-        return bisect.bisect_left(xs, b) - bisect.bisect_left(xs, a)
-
-    def loaded(a: float, b: float) -> bool:  # a busy sample in every 0.1 s of [a, b)
-        return all(count(busy, a + i * 0.1, a + (i + 1) * 0.1) for i in range(int(round((b - a) / 0.1))))
-
-    around = [count(times, u - w / 2, u + w / 2) / w for u in updates if loaded(u - w / 2, u + w / 2)]
-    quiet, t = [], times[0]
-    while t + w <= times[-1]:
-        if loaded(t, t + w) and not any(t - w <= u <= t + 2 * w for u in updates):
-            quiet.append(count(times, t, t + w) / w)
-        t += w / 2
-    return {"around_updates": _median(around), "without_updates": _median(quiet), "windows_around": len(around),
-            "windows_without": len(quiet), "window_s": w}
+    ups = sorted(updates)
+    slots = sorted({int(b / SLOT_S) for b in busy})
+    count: dict[int, int] = {}
+    for t in times:
+        count[int(t / SLOT_S)] = count.get(int(t / SLOT_S), 0) + 1
+    near, far = [], []
+    for k in slots:
+        mid = (k + 0.5) * SLOT_S
+        i = bisect.bisect_left(ups, mid - w / 2)
+        (near if i < len(ups) and ups[i] <= mid + w / 2 else far).append(count.get(k, 0))
+    rate = (lambda xs: sum(xs) / (len(xs) * SLOT_S) if xs else None)  # noqa: E731
+    return {"around_updates": rate(near), "without_updates": rate(far), "busy_s_around": len(near) * SLOT_S,
+            "busy_s_without": len(far) * SLOT_S, "window_s": w}
 
 
 def report(root: Path, url: str, steps: int, task: str, k: int, restarts: list[dict], wall: float) -> dict:
