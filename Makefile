@@ -101,9 +101,10 @@ test-vllm: $(VLLM_VENV)/.setup-done
 test-vllm-all: $(VLLM_VENV)/.setup-done
 	VLLM_ALLOW_INSECURE_SERIALIZATION=1 $(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
-# The asynchronous RL loop (recipes/rl_demo.py): a GRPO trainer on 2 ranks publishing to a vLLM
-# rollout engine, both from .venv-vllm (it has megatron-core too). The engine is killed after
-# step 12 and comes back from the keyframe and the deltas.
+# The agentic RL loop (recipes/rl_demo.py): a TIS trainer on 2 ranks publishing to a vLLM
+# AsyncLLM on the dcr backend, both from .venv-vllm (it has megatron-core too); three arms
+# (main, lr0, seed2). The engine is killed after step 15 and comes back from the newest
+# keyframe and the deltas.
 demo-rl: $(VLLM_VENV)/.setup-done
 	$(VLLM_VENV)/bin/nemo-dcr demo --rl --steps 40 --control-steps 12 --kill-at 15 \
 		--json benchmarks/results/rl_loop.json

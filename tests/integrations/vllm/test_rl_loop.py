@@ -54,6 +54,7 @@ def test_the_loop_with_the_engine_killed_mid_episode_and_restarted(tmp_path):
     assert same is not None and same < rl_demo.LOGP_BOUND, out["logprob_check"]
 
 
+@pytest.mark.slow  # (make test-vllm-all: about 80 s of CI's 60 minutes saved; the bound's control)
 def test_an_update_that_did_not_take_fails_the_logprob_check(tmp_path):
     """The negative control: the worker labels each new version without applying it (an update
     that silently did not take: the engine samples with its start-up weights under the new
