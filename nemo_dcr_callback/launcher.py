@@ -173,6 +173,7 @@ def setup() -> LaunchEnv:
 def collective_device():
     """Where a small collective's tensor lives: this rank's GPU under NCCL (which takes no CPU
     tensors), the CPU under gloo. The process group must be initialised."""
+    # (torch here, not at the top: the launcher runs in processes that never load it, the CLI's)
     import torch
     import torch.distributed as dist
 
