@@ -315,9 +315,10 @@ async def amain(a) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     store = open_store(a.store)
     t0 = time.perf_counter()
-    await asyncio.to_thread(export_keyframe, store, folder / "engine-v0", 600.0, 0)  # (the trainer is up)
+    model_dir = await asyncio.to_thread(export_keyframe, store, folder / "engine-v0", 600.0, 0)  # (the trainer is up)
     kf = start_version(store)
-    model_dir = await asyncio.to_thread(export_keyframe, store, folder / f"engine-v{kf}", 600.0, kf)
+    if kf:  # a restart past keyframe 0: the newest one
+        model_dir = await asyncio.to_thread(export_keyframe, store, folder / f"engine-v{kf}", 600.0, kf)
     args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                            max_model_len=2 * task.seq, seed=a.seed, gpu_memory_utilization=0.1,
                            weight_transfer_config={"backend": "dcr"}, logprobs_mode="processed_logprobs",
@@ -327,8 +328,7 @@ async def amain(a) -> int:
         await engine.init_weight_transfer_engine(WeightTransferInitRequest(
             init_info={"store": store.url, "receiver_id": a.receiver_id, "version": kf}))
         # (re)start: every version committed by now, from the keyframe's deltas
-        newest = max([kf] + [v for v in commit.list_versions(store) if v > kf
-                             and (commit.read_decision(store, v) or {}).get("decision") == "commit"])
+        newest = newest_ready(store, kf, None) or kf
         if newest > kf:
             await engine.start_weight_update()
             await engine.update_weights(WeightTransferUpdateRequest(update_info={"version": newest}))
